@@ -1,0 +1,5 @@
+"""Per-sandbox networking: a network namespace with a tap device for the guest, a veth
+pair the host reaches the guest through, NAT rules, and reclamation of leftovers after a
+crash. The guest always sees the same address, so restored and forked copies work
+unchanged. It knows nothing about VMs or sandbox records beyond a slot number.
+"""

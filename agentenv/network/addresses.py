@@ -1,0 +1,9 @@
+"""Addresses every guest sees. They are identical in every sandbox so that a snapshot
+restored or forked into a new network namespace works without reconfiguring the guest."""
+
+GUEST_IP = "169.254.0.21"
+GUEST_GATEWAY = "169.254.0.22"
+GUEST_PREFIX = 30
+GUEST_MAC = "02:fc:00:00:00:05"
+TAP_NAME = "tap0"
+ENVD_PORT = 49983

@@ -1,0 +1,229 @@
+"""The driver interface every VMM implementation follows.
+
+A driver starts and restores VMM processes; a :class:`VirtualMachine` is a handle on one
+running process. Callers describe a machine with :class:`MachineSpec` and get snapshots
+back as :class:`SnapshotFiles`, which record everything needed to judge whether a later
+restore is compatible (driver, accelerator, machine shape).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class VMMError(Exception):
+    """Base class of every error a driver raises."""
+
+
+class VMMStartError(VMMError):
+    """The VMM process could not be started or did not come up (the message carries the
+    tail of its log)."""
+
+
+class VMMCommandError(VMMError):
+    """The VMM refused or failed a control command (QMP or API call)."""
+
+
+class VMMGone(VMMError):
+    """The VMM process is no longer there."""
+
+
+class SnapshotIncompatible(VMMError):
+    """A snapshot was made under a driver, accelerator or machine shape that differs from
+    the one it is being restored with."""
+
+
+class VMRunState(enum.StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class DriveSpec:
+    """One virtio block device. Order in :attr:`MachineSpec.drives` is guest order
+    (the first is ``/dev/vda``)."""
+
+    drive_id: str
+    path: Path
+    read_only: bool = False
+    fmt: Literal["raw", "qcow2"] = "raw"
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """A tap device the VMM attaches to. ``netns`` names the network namespace the VMM
+    process must be started in (the tap lives there); ``None`` means the host's."""
+
+    tap: str
+    mac: str
+    netns: str | None = None
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """Everything needed to start (or restore) a machine.
+
+    ``memory_file`` backs guest RAM. With ``memory_shared`` the VMM maps it shared, so the
+    file *is* the guest's RAM and a snapshot needs only device state; without it the file
+    is mapped privately (copy-on-write), which is how many sandboxes share one template
+    image without touching it.
+    """
+
+    vcpus: int
+    memory_mib: int
+    kernel: Path
+    cmdline: str
+    drives: tuple[DriveSpec, ...]
+    memory_file: Path
+    memory_shared: bool
+    accel: Literal["tcg", "kvm"]
+    initrd: Path | None = None
+    net: NetSpec | None = None
+
+    def shape(self) -> dict[str, Any]:
+        """The parts of the spec a snapshot's device state depends on."""
+        return {
+            "vcpus": self.vcpus,
+            "memory_mib": self.memory_mib,
+            "drives": [d.drive_id for d in self.drives],
+            "net": self.net is not None,
+            "accel": self.accel,
+        }
+
+
+@dataclass(frozen=True)
+class SnapshotFiles:
+    """What :meth:`VirtualMachine.save_state` wrote.
+
+    ``state_file`` holds device (and, if ``memory_file`` is None, RAM) state.
+    ``memory_file`` is the RAM image when RAM lives outside the state stream.
+    """
+
+    driver: str
+    accel: str
+    state_file: Path
+    memory_file: Path | None
+    shape: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["state_file"] = str(self.state_file)
+        data["memory_file"] = str(self.memory_file) if self.memory_file else None
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotFiles:
+        data = json.loads(text)
+        return cls(
+            driver=data["driver"],
+            accel=data["accel"],
+            state_file=Path(data["state_file"]),
+            memory_file=Path(data["memory_file"]) if data.get("memory_file") else None,
+            shape=data["shape"],
+            meta=data.get("meta", {}),
+        )
+
+    def check_compatible(self, driver: str, spec: MachineSpec) -> None:
+        """Raise :class:`SnapshotIncompatible` unless ``spec`` under ``driver`` can
+        restore this snapshot."""
+        if driver != self.driver:
+            raise SnapshotIncompatible(f"snapshot was made by {self.driver}, not {driver}")
+        if spec.accel != self.accel:
+            raise SnapshotIncompatible(
+                f"snapshot was made under accel={self.accel}, cannot restore with {spec.accel}"
+            )
+        if spec.shape() != self.shape:
+            raise SnapshotIncompatible(
+                f"machine shape {spec.shape()} differs from snapshot's {self.shape}"
+            )
+
+
+@dataclass(frozen=True)
+class VMStats:
+    pid: int
+    state: VMRunState
+    rss_bytes: int
+    pss_bytes: int
+    cpu_seconds: float
+
+
+class VirtualMachine(ABC):
+    """A handle on one VMM process. Methods are safe to call from one asyncio task at a
+    time; the orchestrator serialises per sandbox."""
+
+    workdir: Path
+
+    @property
+    @abstractmethod
+    def pid(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def state(self) -> VMRunState: ...
+
+    @abstractmethod
+    async def pause(self) -> None:
+        """Stop the vCPUs in place (memory kept)."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Continue after :meth:`pause` or a restore made with ``resume=False``."""
+
+    @abstractmethod
+    async def save_state(self, dest: Path) -> SnapshotFiles:
+        """Pause if running and write a snapshot into directory ``dest``. The VM stays
+        paused; the caller decides whether to resume, stop or kill it. On failure nothing
+        half-written is left in ``dest`` and the VM is as it was before."""
+
+    @abstractmethod
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Ask the VMM to quit, and kill it if it has not after ``timeout`` seconds."""
+
+    @abstractmethod
+    async def kill(self) -> None:
+        """SIGKILL the VMM process and reap it. Idempotent."""
+
+    @abstractmethod
+    async def stats(self) -> VMStats: ...
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Drop the control connection without touching the process (used when the
+        server shuts down but VMs should outlive it)."""
+
+
+class VMMDriver(ABC):
+    """Starts VMM processes of one kind."""
+
+    name: str
+
+    @abstractmethod
+    async def boot(self, spec: MachineSpec, workdir: Path) -> VirtualMachine:
+        """Cold-boot ``spec``; ``workdir`` holds sockets and logs. Returns once the VMM
+        accepts control commands and the guest is started."""
+
+    @abstractmethod
+    async def restore(
+        self,
+        spec: MachineSpec,
+        snapshot: SnapshotFiles,
+        workdir: Path,
+        *,
+        resume: bool = True,
+    ) -> VirtualMachine:
+        """Start a new VMM process from ``snapshot`` (checked with
+        :meth:`SnapshotFiles.check_compatible` first). The spec's drives and memory file
+        may differ in path from the snapshotted machine's, not in shape."""
+
+    @abstractmethod
+    async def attach(self, workdir: Path) -> VirtualMachine:
+        """Re-adopt a VMM process a previous server left running in ``workdir``; raises
+        :class:`VMMGone` if it is not there."""
