@@ -1,0 +1,324 @@
+"""The FastAPI application: routes, API-key check and JSON error bodies.
+
+``create_app`` takes a started-or-not orchestrator; the application's lifespan runs the
+orchestrator's startup and shutdown, so the same object serves tests and the real server.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import urllib.parse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentenv import __version__
+from agentenv.api.models import (
+    ConnectRequest,
+    ErrorBody,
+    Health,
+    NewSandbox,
+    RefreshRequest,
+    Sandbox,
+    SandboxDetail,
+    TimeoutRequest,
+)
+from agentenv.orchestrator.errors import OrchestratorError
+from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
+from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
+
+log = logging.getLogger("agentenv.api")
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500, 503)
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def create_app(
+    orchestrator: Orchestrator, api_key: str, *, manage_lifecycle: bool = True
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_lifecycle:
+            await orchestrator.startup()
+        try:
+            yield
+        finally:
+            await proxy.aclose()
+            if manage_lifecycle:
+                await orchestrator.shutdown()
+
+    app = FastAPI(
+        title="agentenv",
+        version=__version__,
+        description="E2B-compatible microVM sandboxes",
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+    )
+    proxy = SandboxProxy(orchestrator)
+    app.state.orchestrator = orchestrator
+
+    # -- errors: always JSON {code, message} ---------------------------------------------
+    @app.exception_handler(OrchestratorError)
+    async def _orchestrator_error(_: Request, exc: OrchestratorError) -> JSONResponse:
+        return error_response(exc.status, str(exc))
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        return error_response(400, "; ".join(problems) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    # Sandbox traffic goes to the proxy before routing and authentication.
+    app.add_middleware(SandboxTrafficMiddleware, proxy=proxy)
+
+    # -- auth ----------------------------------------------------------------------------
+    async def require_api_key(
+        x_api_key: Annotated[str | None, Header()] = None,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> None:
+        presented = x_api_key
+        if presented is None and authorization and authorization.lower().startswith("bearer "):
+            presented = authorization[7:].strip()
+        if presented is None:
+            raise ApiError(401, "missing API key: send it in the X-API-Key header")
+        if not secrets.compare_digest(presented.encode(), api_key.encode()):
+            raise ApiError(401, "invalid API key")
+
+    authed = [Depends(require_api_key)]
+
+    def sandbox_body(view: SandboxView) -> Sandbox:
+        rec = view.record
+        return Sandbox(
+            templateID=rec.template_id,
+            sandboxID=rec.sandbox_id,
+            envdVersion=rec.envd_version,
+            envdAccessToken=rec.envd_token,
+            domain=orchestrator.config.domain,
+        )
+
+    def detail_body(view: SandboxView) -> SandboxDetail:
+        rec = view.record
+        return SandboxDetail(
+            templateID=rec.template_id,
+            sandboxID=rec.sandbox_id,
+            startedAt=rec.started_at,
+            endAt=rec.end_at,
+            cpuCount=rec.vcpus,
+            memoryMB=rec.memory_mib,
+            diskSizeMB=rec.disk_size_mib,
+            state="paused" if rec.state == "paused" else "running",
+            envdVersion=rec.envd_version,
+            metadata=rec.metadata,
+            envdAccessToken=rec.envd_token,
+            domain=orchestrator.config.domain,
+        )
+
+    # -- routes --------------------------------------------------------------------------
+    @app.get("/health", response_model=Health, tags=["node"])
+    async def health() -> Health:
+        templates = {t.template_id: "ready" for t in orchestrator.store.list_templates()}
+        if BASE_TEMPLATE not in templates:
+            templates[BASE_TEMPLATE] = (
+                "building"
+                if orchestrator.templates.building()
+                else ("failed" if orchestrator.templates.last_error else "pending")
+            )
+        return Health(
+            status="degraded" if orchestrator.templates.last_error else "ok",
+            version=__version__,
+            vmm=orchestrator.driver.name,
+            accel=orchestrator.accel,
+            templates=templates,
+            sandboxes=len(orchestrator.list()),
+            detail=orchestrator.templates.last_error,
+        )
+
+    async def _create(body: NewSandbox, secure: bool) -> Sandbox:
+        view = await orchestrator.create(
+            body.template_id,
+            timeout=body.timeout,
+            metadata=body.metadata,
+            env_vars=body.env_vars,
+            secure=secure,
+            allow_internet=bool(body.allow_internet_access),
+            auto_pause=body.auto_pause,
+        )
+        return sandbox_body(view)
+
+    @app.post(
+        "/sandboxes",
+        status_code=201,
+        response_model=Sandbox,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def create_sandbox_v1(body: NewSandbox) -> Sandbox:
+        return await _create(body, secure=body.secure)
+
+    @app.post(
+        "/v2/sandboxes",
+        status_code=201,
+        response_model=Sandbox,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def create_sandbox_v2(body: NewSandbox) -> Sandbox:
+        # V2 has no `secure` field; the SDK documents it as always secured, but our envd
+        # enforces tokens only from the next milestone on, so honour an explicit flag.
+        return await _create(body, secure=body.secure)
+
+    @app.get(
+        "/sandboxes",
+        response_model=list[SandboxDetail],
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def list_sandboxes_v1() -> list[SandboxDetail]:
+        return [detail_body(v) for v in orchestrator.list()]
+
+    @app.get(
+        "/v2/sandboxes",
+        response_model=list[SandboxDetail],
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def list_sandboxes_v2(
+        response: Response,
+        metadata: str | None = None,
+        state: str | None = None,
+        limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+    ) -> list[SandboxDetail]:
+        views = orchestrator.list()
+        if state:
+            wanted = {s.strip() for s in state.split(",") if s.strip()}
+            unknown = wanted - {"running", "paused"}
+            if unknown:
+                raise ApiError(400, f"state: unknown value(s) {', '.join(sorted(unknown))}")
+            views = [v for v in views if v.state in wanted]
+        if metadata:
+            # The SDK quotes keys and values, then encodes the whole string once more.
+            wanted_meta = {
+                urllib.parse.unquote(k): urllib.parse.unquote(v)
+                for k, v in urllib.parse.parse_qsl(metadata, keep_blank_values=True)
+            }
+            views = [
+                v
+                for v in views
+                if all(v.record.metadata.get(k) == val for k, val in wanted_meta.items())
+            ]
+        views.sort(key=lambda v: (v.record.started_at, v.sandbox_id))
+        if next_token:
+            views = [v for v in views if _page_key(v) > next_token]
+        if limit is not None and len(views) > limit:
+            views = views[:limit]
+            response.headers["X-Next-Token"] = _page_key(views[-1])
+        return [detail_body(v) for v in views]
+
+    @app.get(
+        "/sandboxes/{sandbox_id}",
+        response_model=SandboxDetail,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def get_sandbox(sandbox_id: str) -> SandboxDetail:
+        return detail_body(orchestrator.get(sandbox_id))
+
+    @app.delete("/sandboxes/{sandbox_id}", status_code=204, dependencies=authed, tags=["sandboxes"])
+    async def kill_sandbox(sandbox_id: str) -> Response:
+        await orchestrator.kill(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/timeout",
+        status_code=204,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def set_timeout(sandbox_id: str, body: TimeoutRequest) -> Response:
+        await orchestrator.set_timeout(sandbox_id, body.timeout)
+        return Response(status_code=204)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/refreshes",
+        status_code=204,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def refresh(sandbox_id: str, body: RefreshRequest | None = None) -> Response:
+        duration = body.duration if body and body.duration else orchestrator.config.default_timeout
+        await orchestrator.extend_timeout(sandbox_id, duration)
+        return Response(status_code=204)
+
+    async def _connect(sandbox_id: str, body: ConnectRequest | None) -> Sandbox:
+        timeout = body.timeout if body and body.timeout is not None else None
+        if timeout is not None:
+            view = await orchestrator.extend_timeout(sandbox_id, timeout)
+        else:
+            view = orchestrator.get(sandbox_id)
+        return sandbox_body(view)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/connect",
+        response_model=Sandbox,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def connect_v1(sandbox_id: str, body: ConnectRequest | None = None) -> Sandbox:
+        return await _connect(sandbox_id, body)
+
+    @app.post(
+        "/v2/sandboxes/{sandbox_id}/connect",
+        response_model=Sandbox,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def connect_v2(sandbox_id: str, body: ConnectRequest | None = None) -> Sandbox:
+        return await _connect(sandbox_id, body)
+
+    return app
+
+
+def _page_key(view: SandboxView) -> str:
+    return view.record.started_at.isoformat() + "|" + view.sandbox_id

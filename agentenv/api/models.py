@@ -1,0 +1,90 @@
+"""Request and response bodies: the API contract, in the field names E2B's SDK uses."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ErrorBody(BaseModel):
+    code: int
+    message: str
+
+
+class NewSandbox(BaseModel):
+    """Body of ``POST /sandboxes`` and ``POST /v2/sandboxes``. Unknown fields (network,
+    mcp, volume mounts, ...) are accepted and ignored so newer SDKs keep working."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=256)
+    timeout: int | None = Field(
+        default=None, ge=0, description="seconds until the sandbox is killed"
+    )
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+    secure: bool = False
+    auto_pause: bool = Field(default=False, alias="autoPause")
+    allow_internet_access: bool | None = None
+
+
+class Sandbox(BaseModel):
+    """A created or connected sandbox."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(default="local", alias="clientID")
+    envd_version: str = Field(alias="envdVersion")
+    alias: str | None = None
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    traffic_access_token: str | None = Field(default=None, alias="trafficAccessToken")
+    domain: str | None = None
+
+
+class SandboxDetail(BaseModel):
+    """``GET /sandboxes/{id}`` and the items of the list endpoints."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    template_id: str = Field(alias="templateID")
+    alias: str | None = None
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(default="local", alias="clientID")
+    started_at: datetime = Field(alias="startedAt")
+    end_at: datetime = Field(alias="endAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    state: Literal["running", "paused"]
+    envd_version: str = Field(alias="envdVersion")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    domain: str | None = None
+
+
+class TimeoutRequest(BaseModel):
+    timeout: int = Field(ge=0, description="seconds from now until the sandbox is killed")
+
+
+class RefreshRequest(BaseModel):
+    duration: int = Field(default=0, ge=0, le=3600)
+
+
+class ConnectRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    timeout: int | None = Field(default=None, ge=0)
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    version: str
+    vmm: str
+    accel: str
+    templates: dict[str, str]
+    sandboxes: int
+    detail: str | None = None

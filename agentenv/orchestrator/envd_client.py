@@ -1,0 +1,81 @@
+"""The orchestrator's side of envd's HTTP endpoints (``/health``, ``/init``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+
+import httpx
+
+from agentenv.network.addresses import ENVD_PORT
+
+
+class EnvdUnreachable(Exception):
+    """envd did not answer in time."""
+
+
+def envd_url(address: str, path: str) -> str:
+    return f"http://{address}:{ENVD_PORT}{path}"
+
+
+async def wait_healthy(
+    client: httpx.AsyncClient,
+    address: str,
+    timeout: float,
+    *,
+    alive: Callable[[], bool] | None = None,
+    interval: float = 0.05,
+) -> None:
+    """Poll ``/health`` until it answers 2xx. ``alive`` lets the caller stop early when
+    the VM has died instead of waiting out the whole timeout."""
+    deadline = time.monotonic() + timeout
+    last_error = "no answer"
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise EnvdUnreachable("the VM exited before envd became healthy")
+        try:
+            response = await client.get(envd_url(address, "/health"), timeout=2.0)
+            if response.is_success:
+                return
+            last_error = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            last_error = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(interval)
+    raise EnvdUnreachable(f"envd at {address} not healthy after {timeout:.0f}s ({last_error})")
+
+
+async def init(
+    client: httpx.AsyncClient,
+    address: str,
+    *,
+    env_vars: Mapping[str, str],
+    access_token: str | None,
+    timeout: float = 10.0,
+) -> None:
+    """Hand a freshly restored guest its identity: environment, token, a clock set from
+    the host (the snapshot's clock is stale) and fresh entropy (every restore of one
+    snapshot starts with the same RNG state)."""
+    body: dict[str, object] = {
+        "envVars": dict(env_vars),
+        "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        "seed": base64.b64encode(os.urandom(64)).decode(),
+    }
+    if access_token:
+        body["accessToken"] = access_token
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            response = await client.post(envd_url(address, "/init"), json=body, timeout=5.0)
+        except httpx.HTTPError as exc:
+            # Right after a restore the first packets can race the guest's ARP refresh.
+            if time.monotonic() > deadline:
+                raise EnvdUnreachable(f"envd /init failed: {exc}") from exc
+            await asyncio.sleep(0.02)
+            continue
+        if response.is_success:
+            return
+        raise EnvdUnreachable(f"envd /init answered {response.status_code}: {response.text}")

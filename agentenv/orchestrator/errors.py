@@ -1,0 +1,47 @@
+"""Errors the orchestrator raises; the API maps each to one HTTP status."""
+
+from __future__ import annotations
+
+
+class OrchestratorError(Exception):
+    """Base class. ``status`` is the HTTP status the API answers with."""
+
+    status = 500
+
+
+class SandboxNotFound(OrchestratorError):
+    status = 404
+
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox {sandbox_id!r} not found")
+        self.sandbox_id = sandbox_id
+
+
+class TemplateNotFound(OrchestratorError):
+    status = 400
+
+    def __init__(self, template_id: str) -> None:
+        super().__init__(f"template {template_id!r} not found")
+        self.template_id = template_id
+
+
+class InvalidRequest(OrchestratorError):
+    status = 400
+
+
+class Conflict(OrchestratorError):
+    status = 409
+
+
+class CapacityExhausted(OrchestratorError):
+    status = 503
+
+
+class TemplateUnavailable(OrchestratorError):
+    """The template exists but could not be built or loaded on this node."""
+
+    status = 503
+
+
+class SandboxStartFailed(OrchestratorError):
+    status = 500

@@ -1,0 +1,397 @@
+"""The orchestrator: creates, tracks, expires and kills sandboxes.
+
+Lifecycle: :meth:`Orchestrator.startup` (open the store, re-adopt or clean what a previous
+run left, start the reaper and the base template build), then requests, then
+:meth:`Orchestrator.shutdown`. Every state change of a sandbox happens here, under that
+sandbox's lock, and is written to the store before the call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import string
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+from agentenv.config import Config
+from agentenv.network import NetworkManager
+from agentenv.network.addresses import GUEST_MAC, TAP_NAME
+from agentenv.orchestrator import envd_client
+from agentenv.orchestrator.errors import (
+    CapacityExhausted,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxStartFailed,
+)
+from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
+from agentenv.orchestrator.templates import Template, TemplateManager
+from agentenv.storage.images import create_overlay
+from agentenv.vmm.base import (
+    DriveSpec,
+    MachineSpec,
+    NetSpec,
+    VirtualMachine,
+    VMMDriver,
+    VMMError,
+)
+
+log = logging.getLogger("agentenv.orchestrator")
+
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+VM_DIR = "vm"
+
+
+def new_sandbox_id() -> str:
+    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
+
+
+@dataclass(frozen=True)
+class SandboxView:
+    """What callers see of a sandbox."""
+
+    record: SandboxRecord
+    guest_address: str
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.record.sandbox_id
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: Config,
+        driver: VMMDriver,
+        accel: Literal["tcg", "kvm"],
+        network: NetworkManager | None = None,
+    ) -> None:
+        self.config = config
+        self.driver = driver
+        self.accel = accel
+        self.store = Store(config.db_path)
+        self.network = network or NetworkManager(
+            prefix=f"ae{config.instance_tag}", subnet=config.subnet
+        )
+        self.http = httpx.AsyncClient(trust_env=False)
+        self._vms: dict[str, VirtualMachine] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._reserved_slots: set[int] = set()
+        self.templates = TemplateManager(
+            config,
+            self.store,
+            driver,
+            accel,
+            self.network,
+            self._reserve_slot,
+            self._release_slot,
+            self.http,
+        )
+        self._reaper: asyncio.Task[None] | None = None
+        self._base_build: asyncio.Task[object] | None = None
+        self._started = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def startup(self, *, build_base: bool = True) -> None:
+        for d in (self.config.home, self.config.templates_dir, self.config.sandboxes_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.store.open()
+        self.templates.cleanup_staging()
+        await self._recover()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        if build_base:
+            self._base_build = asyncio.get_running_loop().create_task(self._build_base_quietly())
+        self._started = True
+
+    async def shutdown(self, *, kill_sandboxes: bool = False) -> None:
+        """Stop background work. Sandboxes keep running (their VMMs live in their own
+        sessions) and are re-adopted by the next start, unless ``kill_sandboxes``."""
+        for task in (self._reaper, self._base_build):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if kill_sandboxes:
+            for rec in self.store.list_sandboxes():
+                with contextlib.suppress(SandboxNotFound):
+                    await self.kill(rec.sandbox_id)
+        for vm in self._vms.values():
+            await vm.close()
+        self._vms.clear()
+        await self.http.aclose()
+        self.store.close()
+        self._started = False
+
+    async def _build_base_quietly(self) -> object:
+        try:
+            return await self.templates.ensure_base()
+        except Exception as exc:  # logged and reported by /health; create retries
+            log.error("base template unavailable: %s", exc)
+            return None
+
+    async def _recover(self) -> None:
+        """Re-adopt sandboxes whose VMM survived the previous server, clean the rest."""
+        kept: set[int] = set()
+        for rec in self.store.list_sandboxes():
+            vm_dir = rec.workdir / VM_DIR
+            if rec.state == "running":
+                try:
+                    vm = await self.driver.attach(vm_dir)
+                except VMMError as exc:
+                    log.warning("sandbox %s lost (%s); cleaning it up", rec.sandbox_id, exc)
+                else:
+                    self._vms[rec.sandbox_id] = vm
+                    kept.add(rec.slot)
+                    log.info("re-adopted running sandbox %s", rec.sandbox_id)
+                    continue
+            await self._discard(rec)
+        known = {rec.workdir for rec in self.store.list_sandboxes()}
+        if self.config.sandboxes_dir.exists():
+            for path in self.config.sandboxes_dir.iterdir():
+                if path not in known:
+                    log.info("removing orphaned sandbox directory %s", path)
+                    await self._kill_leftover_vm(path / VM_DIR)
+                    shutil.rmtree(path, ignore_errors=True)
+        removed = await self.network.reclaim(kept)
+        if removed:
+            log.info("reclaimed leftover network resources: %s", ", ".join(removed))
+
+    async def _kill_leftover_vm(self, vm_dir: Path) -> None:
+        if not vm_dir.exists():
+            return
+        try:
+            vm = await self.driver.attach(vm_dir)
+        except VMMError:
+            return
+        await vm.kill()
+
+    async def _discard(self, rec: SandboxRecord) -> None:
+        await self._kill_leftover_vm(rec.workdir / VM_DIR)
+        with contextlib.suppress(Exception):
+            await self.network.destroy(rec.slot)
+        shutil.rmtree(rec.workdir, ignore_errors=True)
+        self.store.delete_sandbox(rec.sandbox_id)
+
+    # -- slots ---------------------------------------------------------------------------
+    def _reserve_slot(self) -> int:
+        used = self.store.used_slots() | self._reserved_slots
+        slot = 0
+        while slot in used:
+            slot += 1
+        if self.network.max_slots is not None and slot >= self.network.max_slots:
+            raise CapacityExhausted("no free network slots on this node")
+        self._reserved_slots.add(slot)
+        return slot
+
+    def _release_slot(self, slot: int) -> None:
+        self._reserved_slots.discard(slot)
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    # -- queries -------------------------------------------------------------------------
+    def _view(self, rec: SandboxRecord) -> SandboxView:
+        return SandboxView(rec, self.network.describe(rec.slot).guest_address)
+
+    def get(self, sandbox_id: str) -> SandboxView:
+        rec = self.store.get_sandbox(sandbox_id)
+        if rec is None or rec.state not in ("running", "paused"):
+            raise SandboxNotFound(sandbox_id)
+        return self._view(rec)
+
+    def list(self) -> list[SandboxView]:
+        return [
+            self._view(r) for r in self.store.list_sandboxes() if r.state in ("running", "paused")
+        ]
+
+    # -- create --------------------------------------------------------------------------
+    def _check_timeout(self, timeout: int) -> None:
+        if timeout < 0:
+            raise InvalidRequest("timeout must not be negative")
+        if timeout > self.config.max_timeout:
+            raise InvalidRequest(f"timeout must be at most {self.config.max_timeout} seconds")
+
+    async def create(
+        self,
+        template_id: str,
+        *,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        env_vars: dict[str, str] | None = None,
+        secure: bool = False,
+        allow_internet: bool = False,
+        auto_pause: bool = False,
+    ) -> SandboxView:
+        timeout = self.config.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
+        template = await self.templates.get(template_id)
+        sandbox_id = new_sandbox_id()
+        async with self._lock(sandbox_id):
+            slot = self._reserve_slot()
+            try:
+                return await self._create_locked(
+                    sandbox_id,
+                    template,
+                    slot,
+                    timeout=timeout,
+                    metadata=metadata or {},
+                    env_vars=env_vars or {},
+                    secure=secure,
+                    allow_internet=allow_internet,
+                    auto_pause=auto_pause,
+                )
+            finally:
+                self._release_slot(slot)
+
+    async def _create_locked(
+        self,
+        sandbox_id: str,
+        template: Template,
+        slot: int,
+        *,
+        timeout: int,
+        metadata: dict[str, str],
+        env_vars: dict[str, str],
+        secure: bool,
+        allow_internet: bool,
+        auto_pause: bool,
+    ) -> SandboxView:
+        snap = template.snapshot
+        workdir = self.config.sandboxes_dir / sandbox_id
+        now = utcnow()
+        rec = SandboxRecord(
+            sandbox_id=sandbox_id,
+            template_id=template.record.template_id,
+            template_build_id=template.record.build_id,
+            state="creating",
+            slot=slot,
+            workdir=workdir,
+            started_at=now,
+            end_at=now + timedelta(seconds=timeout),
+            vcpus=snap.vcpus,
+            memory_mib=snap.memory_mib,
+            disk_size_mib=snap.disk_size_mib,
+            envd_version=snap.envd_version,
+            envd_token=secrets.token_urlsafe(24) if secure else None,
+            metadata=metadata,
+            env_vars=env_vars,
+            auto_pause=auto_pause,
+            allow_internet=allow_internet,
+        )
+        # The record goes first, so a crash mid-create leaves something to clean up.
+        self.store.insert_sandbox(rec)
+        vm: VirtualMachine | None = None
+        try:
+            workdir.mkdir(parents=True)
+            (workdir / VM_DIR).mkdir()
+            disk = await create_overlay(snap.disk, workdir / "disk.qcow2", "qcow2")
+            net = await self.network.create(slot, allow_internet=allow_internet)
+            spec = MachineSpec(
+                vcpus=snap.vcpus,
+                memory_mib=snap.memory_mib,
+                kernel=snap.kernel,
+                initrd=snap.initrd,
+                cmdline=snap.cmdline,
+                drives=(
+                    DriveSpec("root", disk, fmt="qcow2"),
+                    DriveSpec("tools", snap.tools_drive, read_only=True),
+                ),
+                # Private mapping: the sandbox's RAM writes are copy-on-write in its own
+                # memory; the template image is shared through the page cache.
+                memory_file=snap.files.memory_file or (workdir / "memory.raw"),
+                memory_shared=False,
+                accel=self.accel,
+                net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
+            )
+            vm = await self.driver.restore(spec, snap.files, workdir / VM_DIR)
+            await envd_client.init(
+                self.http, net.guest_address, env_vars=env_vars, access_token=rec.envd_token
+            )
+        except BaseException as exc:
+            if vm is not None:
+                await vm.kill()
+            with contextlib.suppress(Exception):
+                await self.network.destroy(slot)
+            shutil.rmtree(workdir, ignore_errors=True)
+            self.store.delete_sandbox(sandbox_id)
+            if isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError):
+                log.error("sandbox %s failed to start: %s", sandbox_id, exc)
+                raise SandboxStartFailed(f"sandbox failed to start: {exc}") from exc
+            raise
+        self._vms[sandbox_id] = vm
+        # The TTL counts from the moment the sandbox is usable.
+        end_at = utcnow() + timedelta(seconds=timeout)
+        self.store.update_sandbox(sandbox_id, state="running", end_at=end_at)
+        rec.state, rec.end_at = "running", end_at
+        log.info("sandbox %s running (template %s)", sandbox_id, rec.template_id)
+        return self._view(rec)
+
+    # -- changes -------------------------------------------------------------------------
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxView:
+        self._check_timeout(timeout)
+        async with self._lock(sandbox_id):
+            view = self.get(sandbox_id)
+            end_at = utcnow() + timedelta(seconds=timeout)
+            self.store.update_sandbox(sandbox_id, end_at=end_at)
+            view.record.end_at = end_at
+            return view
+
+    async def extend_timeout(self, sandbox_id: str, timeout: int) -> SandboxView:
+        """Move the end of life to ``now + timeout`` only if that is later."""
+        self._check_timeout(timeout)
+        async with self._lock(sandbox_id):
+            view = self.get(sandbox_id)
+            end_at = max(view.record.end_at, utcnow() + timedelta(seconds=timeout))
+            self.store.update_sandbox(sandbox_id, end_at=end_at)
+            view.record.end_at = end_at
+            return view
+
+    async def kill(self, sandbox_id: str) -> None:
+        async with self._lock(sandbox_id):
+            rec = self.store.get_sandbox(sandbox_id)
+            if rec is None or rec.state not in ("running", "paused"):
+                raise SandboxNotFound(sandbox_id)
+            self.store.update_sandbox(sandbox_id, state="killing")
+            vm = self._vms.pop(sandbox_id, None)
+            if vm is not None:
+                await vm.kill()
+            else:
+                await self._kill_leftover_vm(rec.workdir / VM_DIR)
+            await self.network.destroy(rec.slot)
+            shutil.rmtree(rec.workdir, ignore_errors=True)
+            self.store.delete_sandbox(sandbox_id)
+        self._locks.pop(sandbox_id, None)
+        log.info("sandbox %s killed", sandbox_id)
+
+    # -- expiry --------------------------------------------------------------------------
+    async def reap_expired(self, now: datetime | None = None) -> list[str]:
+        now = now or utcnow()
+        expired = [
+            r.sandbox_id
+            for r in self.store.list_sandboxes()
+            if r.state == "running" and r.end_at <= now
+        ]
+        for sandbox_id in expired:
+            log.info("sandbox %s reached its timeout", sandbox_id)
+            with contextlib.suppress(SandboxNotFound):
+                await self.kill(sandbox_id)
+        return expired
+
+    async def _reap_forever(self, interval: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reap_expired()
+            except Exception:
+                log.exception("reaper failed")

@@ -1,0 +1,259 @@
+"""Templates: snapshots of a booted guest that every sandbox is restored from.
+
+The ``base`` template is made by cold-booting the guest image once, waiting until envd
+answers, and saving the machine. A build is identified by the inputs that shape the
+snapshot (image digest, driver, accelerator, machine size, kernel command line), so a new
+guest image or machine size produces a new build and old sandboxes keep their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from agentenv.config import Config
+from agentenv.guest import GuestImage, kernel_cmdline, load_guest_image
+from agentenv.network import NetworkManager, SandboxNetwork
+from agentenv.network.addresses import GUEST_MAC, TAP_NAME
+from agentenv.orchestrator import envd_client
+from agentenv.orchestrator.errors import TemplateNotFound, TemplateUnavailable
+from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
+from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, commit, discard, staging_dir
+from agentenv.storage.images import create_overlay, make_read_only, virtual_size
+from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec, VirtualMachine, VMMDriver
+
+log = logging.getLogger("agentenv.templates")
+
+BASE_TEMPLATE = "base"
+# What we tell SDKs about the in-guest agent; it gates client-side features (see the E2B
+# protocol reference §4.9). Raised as envd implements more of the protocol.
+ENVD_VERSION = "0.2.0"
+
+
+@dataclass(frozen=True)
+class Template:
+    record: TemplateRecord
+    snapshot: MachineSnapshot
+
+
+class TemplateManager:
+    """Builds and loads template snapshots. Only the orchestrator calls it."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        driver: VMMDriver,
+        accel: str,
+        network: NetworkManager,
+        reserve_slot: Callable[[], int],
+        release_slot: Callable[[int], None],
+        http: httpx.AsyncClient,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.driver = driver
+        self.accel = accel
+        self.network = network
+        self._reserve_slot = reserve_slot
+        self._release_slot = release_slot
+        self._http = http
+        self._builds: dict[str, asyncio.Task[Template]] = {}
+        self.last_error: str | None = None
+
+    # -- lookup ----------------------------------------------------------------------
+    async def get(self, template_id: str) -> Template:
+        """The ready template ``template_id``; waits for ``base`` if it is being built."""
+        if template_id == BASE_TEMPLATE:
+            return await self.ensure_base()
+        record = self.store.get_template(template_id)
+        if record is None:
+            raise TemplateNotFound(template_id)
+        return self._load(record)
+
+    def _load(self, record: TemplateRecord) -> Template:
+        try:
+            return Template(record, MachineSnapshot.load(record.snapshot_dir))
+        except SnapshotError as exc:
+            raise TemplateUnavailable(str(exc)) from exc
+
+    def building(self) -> bool:
+        return any(not t.done() for t in self._builds.values())
+
+    # -- base ------------------------------------------------------------------------
+    def base_build_id(self, image: GuestImage) -> str:
+        inputs = {
+            "image": image.digest,
+            "driver": self.driver.name,
+            "accel": self.accel,
+            "vcpus": self.config.vcpus,
+            "memory_mib": self.config.memory_mib,
+            "cmdline": kernel_cmdline(),
+        }
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+    async def ensure_base(self) -> Template:
+        """The current ``base`` build, building it if needed. Concurrent callers share
+        one build; a failed build is retried by the next caller."""
+        try:
+            image = load_guest_image(self.config.image_cache)
+        except Exception as exc:
+            raise TemplateUnavailable(f"guest image not available: {exc}") from exc
+        build_id = self.base_build_id(image)
+        record = self.store.get_template(BASE_TEMPLATE)
+        if record is not None and record.build_id == build_id:
+            return self._load(record)
+        task = self._builds.get(build_id)
+        if task is None or (task.done() and task.exception() is not None):
+            task = asyncio.get_running_loop().create_task(self._build_base(image, build_id))
+            self._builds[build_id] = task
+        # shield: a caller that gives up must not cancel a build others wait for.
+        return await asyncio.shield(task)
+
+    async def _build_base(self, image: GuestImage, build_id: str) -> Template:
+        final = self.config.templates_dir / BASE_TEMPLATE / build_id
+        if final.exists():
+            try:
+                snapshot = MachineSnapshot.load(final)
+                return self._register(BASE_TEMPLATE, build_id, snapshot)
+            except SnapshotError:
+                log.warning("discarding unreadable template build %s", final)
+                discard(final)
+        log.info(
+            "building template %s (build %s): cold boot of the guest image", BASE_TEMPLATE, build_id
+        )
+        started = asyncio.get_running_loop().time()
+        try:
+            snapshot = await self._boot_and_snapshot(image, final)
+        except Exception as exc:
+            self.last_error = str(exc)
+            log.error("template build failed: %s", exc)
+            if isinstance(exc, TemplateUnavailable):
+                raise
+            raise TemplateUnavailable(f"template build failed: {exc}") from exc
+        self.last_error = None
+        elapsed = asyncio.get_running_loop().time() - started
+        log.info("template %s ready in %.1fs", BASE_TEMPLATE, elapsed)
+        return self._register(BASE_TEMPLATE, build_id, snapshot)
+
+    def _register(self, template_id: str, build_id: str, snapshot: MachineSnapshot) -> Template:
+        record = TemplateRecord(
+            template_id=template_id,
+            build_id=build_id,
+            snapshot_dir=snapshot.directory,
+            vmm=snapshot.files.driver,
+            accel=snapshot.files.accel,
+            vcpus=snapshot.vcpus,
+            memory_mib=snapshot.memory_mib,
+            disk_size_mib=snapshot.disk_size_mib,
+            envd_version=snapshot.envd_version,
+            created_at=utcnow(),
+        )
+        self.store.put_template(record)
+        return Template(record, snapshot)
+
+    async def _boot_and_snapshot(self, image: GuestImage, final: Path) -> MachineSnapshot:
+        staging = staging_dir(final)
+        slot = self._reserve_slot()
+        vm: VirtualMachine | None = None
+        net: SandboxNetwork | None = None
+        try:
+            disk = await create_overlay(image.rootfs, staging / "disk.qcow2", "raw")
+            net = await self.network.create(slot)
+            spec = MachineSpec(
+                vcpus=self.config.vcpus,
+                memory_mib=self.config.memory_mib,
+                kernel=image.kernel,
+                initrd=image.initrd,
+                cmdline=kernel_cmdline(),
+                drives=(
+                    DriveSpec("root", disk, fmt="qcow2"),
+                    DriveSpec("tools", image.tools, read_only=True),
+                ),
+                memory_file=staging / "memory.raw",
+                memory_shared=True,
+                accel=self.accel,  # type: ignore[arg-type]
+                net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
+            )
+            boot_dir = staging / "boot"
+            boot_dir.mkdir()
+            vm = await self.driver.boot(spec, boot_dir)
+            booted = vm
+
+            def alive() -> bool:
+                return booted.state != "stopped" and _pid_alive(booted.pid)
+
+            try:
+                await envd_client.wait_healthy(
+                    self._http,
+                    net.guest_address,
+                    self.config.template_boot_timeout,
+                    alive=alive,
+                )
+            except envd_client.EnvdUnreachable as exc:
+                raise TemplateUnavailable(
+                    f"{exc}; guest console tail:\n{_tail(boot_dir / 'console.log')}"
+                ) from exc
+            files = await vm.save_state(staging)
+            await vm.kill()
+            vm = None
+            disk_size = await virtual_size(disk)
+            make_read_only(disk, spec.memory_file)
+            snapshot = MachineSnapshot(
+                directory=staging,
+                files=files,
+                disk=disk,
+                disk_format="qcow2",
+                kernel=image.kernel,
+                initrd=image.initrd,
+                tools_drive=image.tools,
+                cmdline=spec.cmdline,
+                vcpus=spec.vcpus,
+                memory_mib=spec.memory_mib,
+                disk_size_mib=disk_size // (1024 * 1024),
+                image_digest=image.digest,
+                envd_version=ENVD_VERSION,
+            )
+            shutil.copy(boot_dir / "console.log", staging / "boot-console.log")
+            shutil.rmtree(boot_dir, ignore_errors=True)
+            return commit(staging, final, snapshot)
+        except BaseException:
+            if vm is not None:
+                await vm.kill()
+            discard(staging)
+            raise
+        finally:
+            if net is not None:
+                await self.network.destroy(slot)
+            self._release_slot(slot)
+
+    def cleanup_staging(self) -> None:
+        """Remove half-built templates a crashed server left behind."""
+        if not self.config.templates_dir.exists():
+            return
+        for path in self.config.templates_dir.glob("*/.staging-*"):
+            log.info("removing leftover template staging dir %s", path)
+            discard(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no console log)"

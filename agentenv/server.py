@@ -1,0 +1,113 @@
+"""``aenv-server``: wires a node together (config, VMM driver, orchestrator, API) and
+serves it with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import uvicorn
+from fastapi import FastAPI
+
+from agentenv import __version__
+from agentenv.api.app import create_app
+from agentenv.config import Config, ConfigError
+from agentenv.orchestrator.orchestrator import Orchestrator
+from agentenv.vmm.accel import resolve_accelerator
+from agentenv.vmm.base import VMMDriver
+from agentenv.vmm.firecracker import FirecrackerDriver, find_firecracker
+from agentenv.vmm.qemu import QemuDriver
+
+log = logging.getLogger("agentenv.server")
+
+
+class NodeSetupError(Exception):
+    """The node cannot run sandboxes with this configuration on this host."""
+
+
+@dataclass(frozen=True)
+class NodeRuntime:
+    driver: VMMDriver
+    accel: Literal["tcg", "kvm"]
+    reason: str
+
+
+def choose_runtime(config: Config) -> NodeRuntime:
+    """Pick the VMM and accelerator. ``auto`` prefers Firecracker where hardware KVM
+    runs ordinary guests and the binary is installed, else QEMU (KVM or TCG)."""
+    probe = resolve_accelerator(config.accel)
+    if config.vmm == "firecracker" or (config.vmm == "auto" and probe.accel == "kvm"):
+        binary = find_firecracker()
+        if binary is not None and probe.accel == "kvm":
+            return NodeRuntime(FirecrackerDriver(binary), "kvm", probe.reason)
+        if config.vmm == "firecracker":
+            why = "no Firecracker binary found" if binary is None else probe.reason
+            raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
+    return NodeRuntime(QemuDriver(), probe.accel, probe.reason)
+
+
+def build_app(config: Config) -> tuple[FastAPI, Orchestrator, str]:
+    runtime = choose_runtime(config)
+    api_key = config.ensure_api_key()
+    orchestrator = Orchestrator(config, runtime.driver, runtime.accel)
+    log.info("vmm %s, accel %s (%s)", runtime.driver.name, runtime.accel, runtime.reason)
+    return create_app(orchestrator, api_key), orchestrator, api_key
+
+
+def banner(config: Config, orchestrator: Orchestrator) -> str:
+    url = f"http://{config.listen}"
+    key_hint = (
+        "from AENV_API_KEY / the config file"
+        if config.api_key
+        else f"stored in {config.api_key_path} (mode 0600)"
+    )
+    key_expr = "$AENV_API_KEY" if config.api_key else f"$(cat {config.api_key_path})"
+    runtime = f"vmm {orchestrator.driver.name}, accel {orchestrator.accel}"
+    return f"""
+agentenv {__version__} serving on {url}  ({runtime})
+data directory: {config.home}
+API key: {key_hint}
+
+Try it (the first create waits for the base template to be built):
+  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}
+  curl -s -X POST "$E2B_API_URL/sandboxes" -H "X-API-Key: $E2B_API_KEY" \\
+       -H 'Content-Type: application/json' -d '{{"templateID": "base", "timeout": 120}}'
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="aenv-server", description="Run an agentenv node.")
+    parser.add_argument("--listen", help="host:port (env AENV_LISTEN, default 127.0.0.1:8000)")
+    parser.add_argument("--home", help="data directory (env AENV_HOME, default /var/lib/agentenv)")
+    parser.add_argument("--version", action="version", version=f"agentenv {__version__}")
+    args = parser.parse_args(argv)
+    try:
+        config = Config.load(listen=args.listen, home=args.home)
+    except ConfigError as exc:
+        sys.exit(f"aenv-server: configuration error: {exc}")
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if os.geteuid() != 0:
+        sys.exit("aenv-server: must run as root (it creates network namespaces, taps and VMs)")
+    try:
+        app, orchestrator, _ = build_app(config)
+    except (NodeSetupError, ConfigError) as exc:
+        sys.exit(f"aenv-server: {exc}")
+    print(banner(config, orchestrator), flush=True)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning" if config.log_level == "info" else config.log_level,
+        timeout_graceful_shutdown=10,
+    )
+
+
+if __name__ == "__main__":
+    main()

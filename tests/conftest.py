@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentenv.config import Config
+from agentenv.network import NetworkManager
+from tests.helpers import ServerProcess, kill_vmms
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="VM tests need root (netns, taps, /dev/kvm)")
+    for item in items:
+        if "vm" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def test_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="aenv-test-", dir="/var/tmp"))
+    yield root
+    kill_vmms(str(root))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _cleanup_host(home: Path) -> None:
+    kill_vmms(str(home))
+    config = Config.load(env={}, home=home)
+    import asyncio
+
+    manager = NetworkManager(prefix=f"ae{config.instance_tag}", subnet=config.subnet)
+    asyncio.run(manager.reclaim(set()))
+
+
+@pytest.fixture(scope="session")
+def server(test_root: Path) -> Iterator[ServerProcess]:
+    """One live server (real VMs) shared by the API tests of a session."""
+    srv = ServerProcess(home=test_root / "node")
+    try:
+        srv.start()
+    except Exception:
+        srv.stop()
+        _cleanup_host(srv.home)
+        raise
+    yield srv
+    with srv.client() as c:
+        for item in c.get("/sandboxes").json():
+            c.delete(f"/sandboxes/{item['sandboxID']}")
+    srv.stop()
+    _cleanup_host(srv.home)

@@ -1,0 +1,212 @@
+"""Test helpers: a real agentenv server in a subprocess, and a minimal Connect client for
+envd's ``process.Process/Start`` stream (the wire format the E2B SDK uses)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_API_KEY = "e2b_" + "ab" * 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """An ``aenv-server`` child process with its own data directory."""
+
+    home: Path
+    port: int = field(default_factory=free_port)
+    api_key: str = TEST_API_KEY
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.home.parent / f"{self.home.name}-server.log"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            AENV_HOME=str(self.home),
+            AENV_LISTEN=f"127.0.0.1:{self.port}",
+            AENV_API_KEY=self.api_key,
+        )
+        env.update(self.extra_env)
+        return env
+
+    def start(self, wait_template: float = 600.0) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agentenv.server"],
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + wait_template
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_tail()}")
+            try:
+                health = httpx.get(f"{self.url}/health", timeout=2).json()
+            except (httpx.HTTPError, ValueError):
+                time.sleep(0.2)
+                continue
+            state = health["templates"].get("base")
+            if state == "ready":
+                return
+            if state == "failed":
+                raise RuntimeError(f"base template failed: {health.get('detail')}")
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready in {wait_template}s:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=120, trust_env=False
+        )
+
+
+def vmm_pids(marker: str) -> list[int]:
+    """PIDs of VMM processes whose command line mentions ``marker`` (a path)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline and ("qemu-system" in cmdline or "firecracker" in cmdline):
+            pids.append(int(entry.name))
+    return pids
+
+
+def netns_names() -> set[str]:
+    path = Path("/run/netns")
+    return {p.name for p in path.iterdir()} if path.exists() else set()
+
+
+def kill_vmms(marker: str) -> None:
+    for pid in vmm_pids(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- Connect RPC (JSON codec), as the E2B SDK speaks it ------------------------------------
+def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
+    body = json.dumps(message).encode()
+    return struct.pack(">BI", flags, len(body)) + body
+
+
+def read_envelopes(data: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
+    offset = 0
+    while offset < len(data):
+        flags, length = struct.unpack(">BI", data[offset : offset + 5])
+        yield flags, json.loads(data[offset + 5 : offset + 5 + length] or b"{}")
+        offset += 5 + length
+
+
+@dataclass
+class CommandResult:
+    stdout: str
+    stderr: str
+    exit_code: int
+    status: str
+    events: list[dict[str, Any]]
+
+
+def run_command(
+    base_url: str,
+    sandbox_id: str,
+    command: str,
+    *,
+    envs: dict[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | None = None,
+    timeout: float = 60.0,
+) -> CommandResult:
+    """Run ``command`` the way ``Sandbox.commands.run`` does: ``/bin/bash -l -c``,
+    through the server's proxy, routed by the ``E2b-Sandbox-Id`` header."""
+    process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", command]}
+    if envs:
+        process["envs"] = envs
+    if cwd:
+        process["cwd"] = cwd
+    headers = {
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+        "E2b-Sandbox-Id": sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+    }
+    if user:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
+    response = httpx.post(
+        f"{base_url}/process.Process/Start",
+        content=envelope({"process": process, "stdin": False}),
+        headers=headers,
+        timeout=timeout,
+        trust_env=False,
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/connect+json"
+    stdout, stderr, events = b"", b"", []
+    exit_code, status = None, ""
+    envelopes = list(read_envelopes(response.content))
+    assert envelopes[-1][0] == 2, "stream must finish with an end-stream envelope"
+    assert "error" not in envelopes[-1][1], envelopes[-1][1]
+    for flags, message in envelopes[:-1]:
+        assert flags == 0
+        event = message["event"]
+        events.append(event)
+        if "data" in event:
+            stdout += base64.b64decode(event["data"].get("stdout", ""))
+            stderr += base64.b64decode(event["data"].get("stderr", ""))
+        if "end" in event:
+            exit_code = int(event["end"].get("exitCode", 0))
+            status = event["end"].get("status", "")
+    assert "start" in events[0], f"first event must be start, got {events[0]}"
+    assert exit_code is not None, "stream ended without an end event"
+    return CommandResult(stdout.decode(), stderr.decode(), exit_code, status, events)

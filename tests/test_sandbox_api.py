@@ -1,0 +1,273 @@
+"""The foundation end to end: real microVMs created and commanded over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
+
+pytestmark = pytest.mark.vm
+
+
+def create(c: httpx.Client, **body: object) -> dict[str, object]:
+    response = c.post("/sandboxes", json={"templateID": "base", **body})
+    assert response.status_code == 201, response.text
+    data = response.json()
+    assert isinstance(data, dict)
+    return data
+
+
+def wait_gone(c: httpx.Client, sandbox_id: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if c.get(f"/sandboxes/{sandbox_id}").status_code == 404:
+            return
+        time.sleep(0.25)
+    pytest.fail(f"sandbox {sandbox_id} still exists after {limit}s")
+
+
+# -- auth and bad input ---------------------------------------------------------------------
+def test_health_needs_no_key(server: ServerProcess) -> None:
+    response = httpx.get(f"{server.url}/health", trust_env=False)
+    assert response.status_code == 200
+    assert response.json()["templates"]["base"] == "ready"
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-API-Key": "e2b_wrong"}])
+def test_api_key_required(server: ServerProcess, headers: dict[str, str]) -> None:
+    for method, path in [("GET", "/v2/sandboxes"), ("POST", "/sandboxes"), ("GET", "/sandboxes/x")]:
+        response = httpx.request(
+            method,
+            f"{server.url}{path}",
+            headers=headers,
+            json={"templateID": "base"},
+            trust_env=False,
+        )
+        assert response.status_code == 401, (method, path, response.text)
+        body = response.json()
+        assert body["code"] == 401 and body["message"]
+
+
+def test_bad_inputs(server: ServerProcess) -> None:
+    with server.client() as c:
+        unknown = c.post("/v2/sandboxes", json={"templateID": "no-such-template"})
+        assert unknown.status_code == 400
+        assert "no-such-template" in unknown.json()["message"]
+
+        malformed = c.post(
+            "/sandboxes", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        assert malformed.status_code == 400
+        assert malformed.json()["code"] == 400
+
+        missing = c.post("/sandboxes", json={"timeout": 10})
+        assert missing.status_code == 400
+        assert "templateID" in missing.json()["message"]
+
+        negative = c.post("/sandboxes", json={"templateID": "base", "timeout": -5})
+        assert negative.status_code == 400
+        assert "timeout" in negative.json()["message"]
+
+        assert c.get("/sandboxes/inope").status_code == 404
+        assert c.get("/sandboxes/inope").json()["code"] == 404
+        assert c.delete("/sandboxes/inope").status_code == 404
+        bad_timeout = c.post("/sandboxes/inope/timeout", json={"timeout": -1})
+        assert bad_timeout.status_code == 400
+
+
+def test_unknown_sandbox_through_proxy(server: ServerProcess) -> None:
+    response = httpx.post(
+        f"{server.url}/process.Process/Start",
+        headers={"E2b-Sandbox-Id": "inotthere", "Content-Type": "application/connect+json"},
+        content=b"",
+        trust_env=False,
+    )
+    assert response.status_code == 502
+    assert "inotthere" in response.json()["message"]
+
+
+# -- running commands ----------------------------------------------------------------------
+def test_create_and_run_commands(server: ServerProcess) -> None:
+    with server.client() as c:
+        sbx = create(c, timeout=120, metadata={"purpose": "test"}, envVars={"GREETING": "hej"})
+        sandbox_id = str(sbx["sandboxID"])
+        assert sbx["templateID"] == "base"
+        assert sbx["envdVersion"]
+        assert "clientID" in sbx and "domain" in sbx
+        try:
+            echo = run_command(server.url, sandbox_id, "echo hello")
+            assert echo.stdout == "hello\n"
+            assert echo.exit_code == 0
+            assert "exitCode" not in echo.events[-1]["end"]
+
+            uname = run_command(server.url, sandbox_id, "uname -a")
+            assert uname.stdout.startswith("Linux ")
+            assert uname.exit_code == 0
+
+            failing = run_command(server.url, sandbox_id, "echo oops >&2; exit 3")
+            assert failing.exit_code == 3
+            assert failing.stderr == "oops\n"
+            assert failing.status == "exit status 3"
+
+            env = run_command(server.url, sandbox_id, "echo $GREETING $EXTRA", envs={"EXTRA": "x"})
+            assert env.stdout == "hej x\n"
+
+            nproc = run_command(server.url, sandbox_id, "nproc; id -un; cat /proc/cmdline")
+            assert int(nproc.stdout.split()[0]) >= 1
+
+            detail = c.get(f"/sandboxes/{sandbox_id}").json()
+            assert detail["state"] == "running"
+            assert detail["metadata"] == {"purpose": "test"}
+            listed = c.get("/v2/sandboxes", params={"metadata": "purpose=test"}).json()
+            assert sandbox_id in [s["sandboxID"] for s in listed]
+            other = c.get("/v2/sandboxes", params={"metadata": "purpose=other"}).json()
+            assert sandbox_id not in [s["sandboxID"] for s in other]
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_clock_is_set_on_restore(server: ServerProcess) -> None:
+    with server.client() as c:
+        sandbox_id = str(create(c, timeout=60)["sandboxID"])
+        try:
+            guest_now = int(run_command(server.url, sandbox_id, "date +%s").stdout)
+            assert abs(guest_now - time.time()) < 30
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_sandboxes_are_isolated(server: ServerProcess) -> None:
+    with server.client() as c:
+        a = str(create(c, timeout=120)["sandboxID"])
+        b = str(create(c, timeout=120)["sandboxID"])
+        try:
+            assert run_command(server.url, a, "echo secret-a > /tmp/mine; sync").exit_code == 0
+            assert run_command(server.url, a, "cat /tmp/mine").stdout == "secret-a\n"
+            missing = run_command(server.url, b, "cat /tmp/mine")
+            assert missing.exit_code != 0
+            assert "No such file" in missing.stderr
+            # Each guest has the same address, but they are different machines.
+            ids = {
+                run_command(server.url, s, "cat /proc/sys/kernel/random/boot_id").stdout
+                for s in (a, b)
+            }
+            assert len(ids) == 1 or len(ids) == 2  # same snapshot may share boot_id
+            pids_a = vmm_pids(f"/sandboxes/{a}/")
+            pids_b = vmm_pids(f"/sandboxes/{b}/")
+            assert len(pids_a) == 1 and len(pids_b) == 1 and pids_a != pids_b
+        finally:
+            c.delete(f"/sandboxes/{a}")
+            c.delete(f"/sandboxes/{b}")
+
+
+def test_kill_releases_everything(server: ServerProcess) -> None:
+    with server.client() as c:
+        before_ns = netns_names()
+        sandbox_id = str(create(c, timeout=120)["sandboxID"])
+        workdir = server.home / "sandboxes" / sandbox_id
+        pids = vmm_pids(f"/sandboxes/{sandbox_id}/")
+        new_ns = netns_names() - before_ns
+        assert len(pids) == 1
+        assert len(new_ns) == 1
+        assert workdir.is_dir()
+        links_before = Path("/sys/class/net").iterdir()
+        host_links = {p.name for p in links_before}
+
+        response = c.delete(f"/sandboxes/{sandbox_id}")
+        assert response.status_code == 204
+
+        assert c.get(f"/sandboxes/{sandbox_id}").status_code == 404
+        assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 404
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
+        assert not (netns_names() & new_ns)
+        assert not workdir.exists()
+        host_links_after = {p.name for p in Path("/sys/class/net").iterdir()}
+        gone = host_links - host_links_after
+        assert any(name.startswith("ae") for name in gone), "the sandbox's veth must be gone"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def test_ttl_expiry_kills(server: ServerProcess) -> None:
+    with server.client() as c:
+        sandbox_id = str(create(c, timeout=1)["sandboxID"])
+        wait_gone(c, sandbox_id)
+        assert vmm_pids(f"/sandboxes/{sandbox_id}/") == []
+        assert not (server.home / "sandboxes" / sandbox_id).exists()
+
+
+def test_set_timeout_shortens(server: ServerProcess) -> None:
+    with server.client() as c:
+        sandbox_id = str(create(c, timeout=600)["sandboxID"])
+        end_before = c.get(f"/sandboxes/{sandbox_id}").json()["endAt"]
+        assert c.post(f"/sandboxes/{sandbox_id}/timeout", json={"timeout": 1}).status_code == 204
+        wait_gone(c, sandbox_id)
+        assert end_before
+
+
+def test_list_paging(server: ServerProcess) -> None:
+    with server.client() as c:
+        ids = [
+            str(create(c, timeout=120, metadata={"batch": "paging"})["sandboxID"]) for _ in range(3)
+        ]
+        try:
+            seen: list[str] = []
+            token = None
+            while True:
+                params = {"metadata": "batch=paging", "limit": "2"}
+                if token:
+                    params["nextToken"] = token
+                response = c.get("/v2/sandboxes", params=params)
+                assert response.status_code == 200
+                seen += [s["sandboxID"] for s in response.json()]
+                token = response.headers.get("x-next-token")
+                if not token:
+                    break
+            assert sorted(seen) == sorted(ids)
+        finally:
+            for sandbox_id in ids:
+                c.delete(f"/sandboxes/{sandbox_id}")
+
+
+# -- restart -------------------------------------------------------------------------------
+def test_restart_keeps_records_consistent(test_root: Path) -> None:
+    """A server restart re-adopts sandboxes whose VMM survived and cleans the rest."""
+    srv = ServerProcess(home=test_root / "restart")
+    srv.start()
+    try:
+        with srv.client() as c:
+            survivor = str(create(c, timeout=300)["sandboxID"])
+            victim = str(create(c, timeout=300)["sandboxID"])
+            assert run_command(srv.url, survivor, "echo 42 > /tmp/state").exit_code == 0
+        victim_pids = vmm_pids(f"/sandboxes/{victim}/")
+        srv.stop(signal.SIGKILL)
+        # While the server is down one VMM dies; the other keeps running.
+        for pid in victim_pids:
+            os.kill(pid, signal.SIGKILL)
+        assert vmm_pids(f"/sandboxes/{survivor}/")
+        srv.start()
+        with srv.client() as c:
+            listed = {s["sandboxID"] for s in c.get("/v2/sandboxes").json()}
+            assert survivor in listed
+            assert victim not in listed
+            assert c.get(f"/sandboxes/{victim}").status_code == 404
+            assert not (srv.home / "sandboxes" / victim).exists()
+            assert run_command(srv.url, survivor, "cat /tmp/state").stdout == "42\n"
+            assert c.delete(f"/sandboxes/{survivor}").status_code == 204
+    finally:
+        srv.stop()
+        from tests.conftest import _cleanup_host
+
+        _cleanup_host(srv.home)
