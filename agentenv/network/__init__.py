@@ -3,3 +3,7 @@ pair the host reaches the guest through, NAT rules, and reclamation of leftovers
 crash. The guest always sees the same address, so restored and forked copies work
 unchanged. It knows nothing about VMs or sandbox records beyond a slot number.
 """
+
+from agentenv.network.manager import NetworkError, NetworkManager, SandboxNetwork
+
+__all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]

@@ -1,0 +1,607 @@
+"""Creation, teardown and crash reclamation of per-sandbox network namespaces.
+
+Layout of one sandbox (slot N, host subnet S split into /30 blocks, block N = S + 4N):
+
+    root namespace                      namespace <prefix>-N
+    <prefix>hN  S+4N+1/30  <-- veth -->  veth0  S+4N+2/30 (the sandbox's "guest address")
+                                         tap0   GUEST_GATEWAY/30  <-- VMM --> guest GUEST_IP
+
+Inside the namespace nftables DNATs TCP/UDP arriving on veth0 for the namespace end to
+GUEST_IP, so the host reaches guest port P at ``<S+4N+2>:P`` and the guest sees the host end
+as the peer. Guest-originated traffic leaving via veth0 is SNATed to the namespace end, and
+is only allowed out (forwarded) when the sandbox was created with ``allow_internet``; then
+a table ``agentenv_<prefix>`` in the root namespace masquerades it out of the default
+interface and keeps it away from the host's own services and from other sandboxes.
+
+Every resource carries the manager's prefix and the slot in its name, so leftovers of a
+crashed server can be found and removed (`NetworkManager.reclaim`) without touching
+another server's sandboxes on the same host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import ipaddress
+import json
+import logging
+import re
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pyroute2 import IPRoute, netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from agentenv.network.addresses import (
+    GATEWAY_MAC,
+    GUEST_GATEWAY,
+    GUEST_IP,
+    GUEST_MAC,
+    GUEST_PREFIX,
+    TAP_NAME,
+)
+
+__all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# Name of the veth end inside every sandbox namespace; like TAP_NAME it is the same everywhere.
+NAMESPACE_VETH = "veth0"
+_IFNAMSIZ = 15  # longest interface name the kernel accepts
+# No "h" in prefixes: host veths are <prefix>h<slot> and host rules match "<prefix>h*", which
+# must not also match the veths of another instance's prefix.
+_PREFIX_PATTERN = re.compile(r"[a-gi-z][a-gi-z0-9]{0,7}")
+_NFT_TIMEOUT = 10.0
+_TABLE_SLOT = -1  # stands for "no slot" where resources are listed with their slot
+
+# netns.create bind-mounts /run/netns onto itself the first time; two threads doing that at
+# once would stack two mounts, so creations within this process take turns.
+_namespace_creation_lock = threading.Lock()
+
+
+class NetworkError(Exception):
+    """A sandbox network could not be created, inspected or removed."""
+
+
+@dataclass(frozen=True)
+class SandboxNetwork:
+    """Names and addresses of one sandbox's network, as seen from the host."""
+
+    slot: int
+    netns: str  # namespace to start the VMM in
+    tap: str  # tap device inside `netns` for the VMM to attach to
+    host_veth: str  # veth end in the root namespace
+    host_ip: str  # address of `host_veth`
+    guest_address: str  # namespace end of the veth: the host connects here to reach the guest
+    guest_mac: str  # MAC the VMM should give the guest's NIC
+
+
+class NetworkManager:
+    """Creates and removes sandbox networks for one server instance.
+
+    ``prefix`` names every resource of this instance (so several servers can share a
+    host), ``subnet`` is the IPv4 range host-side addresses come from, one /30 per slot.
+    Operations on different slots may run concurrently; operations on one slot are
+    serialised.
+    """
+
+    def __init__(
+        self, prefix: str, subnet: str = "10.200.0.0/16", *, max_slots: int | None = None
+    ) -> None:
+        if not _PREFIX_PATTERN.fullmatch(prefix):
+            raise ValueError(
+                f"prefix {prefix!r} must be 1-8 lowercase letters other than 'h' or digits, "
+                "starting with a letter"
+            )
+        try:
+            network = ipaddress.IPv4Network(subnet)
+        except ValueError as exc:
+            raise ValueError(f"subnet {subnet!r} is not an IPv4 network: {exc}") from exc
+        if network.prefixlen > 30:
+            raise ValueError(f"subnet {subnet} is smaller than one /30 block")
+        guest_net = ipaddress.IPv4Network(f"{GUEST_IP}/{GUEST_PREFIX}", strict=False)
+        if network.overlaps(guest_net):
+            raise ValueError(f"subnet {subnet} overlaps the guest network {guest_net}")
+
+        # Host veth names are <prefix>h<slot> and must fit in an interface name.
+        slot_digits = _IFNAMSIZ - len(prefix) - 1
+        capacity = min(network.num_addresses // 4, 10**slot_digits)
+        if max_slots is None:
+            max_slots = capacity
+        elif not 1 <= max_slots <= capacity:
+            raise ValueError(
+                f"max_slots must be between 1 and {capacity} for prefix {prefix!r} and "
+                f"subnet {subnet}, got {max_slots}"
+            )
+
+        self.prefix = prefix
+        self.subnet = network
+        self.max_slots = max_slots
+        self._host_table = f"agentenv_{prefix}"
+        self._netns_name = re.compile(rf"{re.escape(prefix)}-(0|[1-9][0-9]*)")
+        self._veth_name = re.compile(rf"{re.escape(prefix)}h(0|[1-9][0-9]*)")
+        self._chain_name = re.compile(r"slot(0|[1-9][0-9]*)")
+        self._slot_locks: dict[int, asyncio.Lock] = {}
+        # Slots with a masquerade chain in the host table; None until read from the kernel.
+        self._internet_slots: set[int] | None = None
+        self._host_table_lock = asyncio.Lock()
+
+    # -- names and addresses --------------------------------------------------------------
+
+    def describe(self, slot: int) -> SandboxNetwork:
+        """Names and addresses `slot` has (or would have); creates nothing."""
+        self._check_slot(slot)
+        block = self.subnet.network_address + 4 * slot
+        return SandboxNetwork(
+            slot=slot,
+            netns=f"{self.prefix}-{slot}",
+            tap=TAP_NAME,
+            host_veth=f"{self.prefix}h{slot}",
+            host_ip=str(block + 1),
+            guest_address=str(block + 2),
+            guest_mac=GUEST_MAC,
+        )
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is outside 0..{self.max_slots - 1}")
+
+    def _slot_block(self, slot: int) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network((self.subnet.network_address + 4 * slot, 30))
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def create(self, slot: int, *, allow_internet: bool = False) -> SandboxNetwork:
+        """Build the network for `slot`, replacing any leftovers of an earlier one.
+
+        On failure (or cancellation) everything built so far is removed before the error
+        propagates.
+        """
+        net = self.describe(slot)
+        async with self._slot_lock(slot):
+            try:
+                await self._destroy_slot(slot)
+                await _run_blocking(self._build_namespace, net, allow_internet)
+                if allow_internet:
+                    await self._add_internet_access(slot, net)
+            except BaseException as exc:
+                await asyncio.shield(self._rollback(slot))
+                if isinstance(exc, NetworkError | asyncio.CancelledError):
+                    raise
+                if isinstance(exc, Exception):
+                    raise NetworkError(f"creating network for slot {slot} failed: {exc}") from exc
+                raise
+        return net
+
+    async def destroy(self, slot: int) -> None:
+        """Remove the namespace, veth and host rules of `slot`; absent parts are fine.
+
+        The VMM running in the namespace must have exited: the kernel keeps a namespace
+        alive while a process is inside it.
+        """
+        self._check_slot(slot)
+        async with self._slot_lock(slot):
+            await self._destroy_slot(slot)
+
+    async def reclaim(self, keep: set[int]) -> list[str]:
+        """Remove every resource of this prefix whose slot is not in `keep`.
+
+        Meant for startup after a crash: `keep` holds the slots of sandboxes that are
+        still alive. Returns the names of what was removed.
+        """
+        found = await asyncio.to_thread(self._scan, True)
+        removed: list[str] = []
+        slots = {slot for _, slot in found if slot != _TABLE_SLOT}
+        for slot in sorted(slots - keep):
+            names = [name for name, owner in found if owner == slot]
+            if 0 <= slot < self.max_slots:
+                await self.destroy(slot)
+            else:
+                # Made by a run configured with more slots; remove by name.
+                await asyncio.to_thread(self._remove_by_name, names)
+                await self._remove_internet_access(slot)
+            removed.extend(names)
+        async with self._host_table_lock:
+            # A crash between creating the table and its first slot chain leaves it empty.
+            await self._delete_host_table_if_unused()
+        had_table = any(slot == _TABLE_SLOT for _, slot in found)
+        if had_table and not await asyncio.to_thread(self._host_table_exists):
+            removed.append(self._host_table)
+        return removed
+
+    def resources(self) -> list[str]:
+        """Names of this prefix's namespaces, host veths and host nft table/chains now present.
+
+        Blocking (a few milliseconds); usable with or without a running event loop.
+        """
+        found = _call_in_thread(self._scan, True)
+        return sorted(name for name, _ in found)
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _build_namespace(self, net: SandboxNetwork, allow_internet: bool) -> None:
+        """Create and configure the namespace and veth. Blocking; runs in its own thread.
+
+        The namespace side is configured from a thread that has entered the namespace
+        (setns is per thread), which saves forking a helper process for each netlink
+        socket, the tap ioctl and the nft run.
+        """
+        with _namespace_creation_lock:
+            netns.create(net.netns)
+        outcome: list[BaseException] = []
+
+        def configure() -> None:
+            try:
+                with IPRoute() as host:  # opened before setns, so it stays in our namespace
+                    netns.setns(net.netns, flags=0)
+                    with IPRoute() as inside:
+                        self._configure(host, inside, net, allow_internet)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        # A fresh thread, never a pool thread: it ends inside the sandbox namespace.
+        worker = threading.Thread(target=configure, name=f"netns-{net.netns}")
+        worker.start()
+        worker.join()
+        if outcome:
+            raise outcome[0]
+
+    def _configure(
+        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork, allow_internet: bool
+    ) -> None:
+        # Runs with the calling thread inside the namespace: /proc/sys/net and child
+        # processes see the namespace, `host` is still bound to the root namespace.
+        _write_sysctl("net/ipv4/ip_forward", "1")
+        # The guest network is IPv4 only; this keeps router solicitations and DAD off tap0.
+        _write_sysctl("net/ipv6/conf/all/disable_ipv6", "1")
+        _write_sysctl("net/ipv6/conf/default/disable_ipv6", "1")
+        # nft takes longer to start than all the netlink work below; its rules match
+        # interfaces by name, so it can load them while the interfaces are being made.
+        nft = _NftRun(self._namespace_ruleset(net, allow_internet))
+        try:
+            self._configure_links(host, inside, net)
+        except BaseException:
+            nft.abandon()
+            raise
+        nft.finish()
+
+    def _configure_links(self, host: IPRoute, inside: IPRoute, net: SandboxNetwork) -> None:
+        self._claim_host_addresses(host, net)
+        host.link(
+            "add",
+            ifname=net.host_veth,
+            kind="veth",
+            peer={"ifname": NAMESPACE_VETH, "net_ns_fd": net.netns},
+        )
+        host_index = _index(host, net.host_veth)
+        host.addr("add", index=host_index, address=net.host_ip, prefixlen=30)
+        host.link("set", index=host_index, state="up")
+
+        inside.link("set", index=_index(inside, "lo"), state="up")
+        inside.link(
+            "add",
+            ifname=net.tap,
+            kind="tuntap",
+            mode="tap",
+            ifr={"no_pi": True, "one_queue": False, "vnet_hdr": False, "multi_queue": False},
+        )
+        tap_index = _index(inside, net.tap)
+        # A fixed MAC: a restored guest still has the template's ARP entry for its
+        # gateway, and frames to any other MAC would be dropped by the tap.
+        inside.link("set", index=tap_index, address=GATEWAY_MAC)
+        inside.addr("add", index=tap_index, address=GUEST_GATEWAY, prefixlen=GUEST_PREFIX)
+        inside.link("set", index=tap_index, state="up")
+        veth_index = _index(inside, NAMESPACE_VETH)
+        inside.addr("add", index=veth_index, address=net.guest_address, prefixlen=30)
+        inside.link("set", index=veth_index, state="up")
+        inside.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
+
+    def _claim_host_addresses(self, host: IPRoute, net: SandboxNetwork) -> None:
+        # Two servers given overlapping subnets would route each other's sandboxes wrongly;
+        # refuse instead of adding a second route to the same /30.
+        block = self._slot_block(net.slot)
+        for msg in host.addr("dump", family=2):
+            address = msg.get_attr("IFA_ADDRESS")
+            if address and ipaddress.IPv4Address(address) in block:
+                owner = msg.get("index")
+                raise NetworkError(
+                    f"{block} (slot {net.slot}) is already in use on interface index {owner}; "
+                    "does another agentenv server use an overlapping subnet?"
+                )
+
+    @staticmethod
+    def _namespace_ruleset(net: SandboxNetwork, allow_internet: bool) -> str:
+        egress = (
+            f'        oifname "{NAMESPACE_VETH}" ip saddr {GUEST_IP} accept\n'
+            if allow_internet
+            else ""
+        )
+        return (
+            "table ip agentenv {\n"
+            "    chain prerouting {\n"
+            "        type nat hook prerouting priority dstnat; policy accept;\n"
+            f'        iifname "{NAMESPACE_VETH}" ip daddr {net.guest_address} '
+            f"meta l4proto {{ tcp, udp }} dnat to {GUEST_IP}\n"
+            "    }\n"
+            "    chain postrouting {\n"
+            "        type nat hook postrouting priority srcnat; policy accept;\n"
+            f'        oifname "{NAMESPACE_VETH}" ip saddr {GUEST_IP} snat to {net.guest_address}\n'
+            "    }\n"
+            "    chain forward {\n"
+            "        type filter hook forward priority filter; policy drop;\n"
+            "        ct state established,related accept\n"
+            f'        iifname "{NAMESPACE_VETH}" ct status dnat accept\n'
+            f"{egress}"
+            "    }\n"
+            "}\n"
+        )
+
+    # -- host-side internet access ------------------------------------------------------------
+
+    async def _add_internet_access(self, slot: int, net: SandboxNetwork) -> None:
+        async with self._host_table_lock:
+            slots = await self._known_internet_slots()
+            outbound = await asyncio.to_thread(_default_interface)
+            table = self._host_table
+            veths = f"{self.prefix}h*"
+            script = (
+                f"add table ip {table}\n"
+                # Sandboxes may only be forwarded out of the default interface: not into
+                # each other, and (input) not to services of the host itself.
+                f"add chain ip {table} input {{ type filter hook input priority filter; }}\n"
+                f"flush chain ip {table} input\n"
+                f'add rule ip {table} input iifname "{veths}" ct state new drop\n'
+                f"add chain ip {table} forward {{ type filter hook forward priority filter; }}\n"
+                f"flush chain ip {table} forward\n"
+                f'add rule ip {table} forward iifname "{veths}" oifname "{outbound}" accept\n'
+                f'add rule ip {table} forward iifname "{veths}" drop\n'
+                f'add rule ip {table} forward oifname "{veths}" ct state new drop\n'
+                f"add chain ip {table} slot{slot} "
+                "{ type nat hook postrouting priority srcnat; }\n"
+                f"flush chain ip {table} slot{slot}\n"
+                f"add rule ip {table} slot{slot} ip saddr {self._slot_block(slot)} "
+                f'oifname "{outbound}" masquerade\n'
+            )
+            slots.add(slot)  # before running: a partial failure must still be cleaned up
+            await _run_nft_async(script)
+            await asyncio.to_thread(_write_host_sysctl, "net/ipv4/ip_forward", "1")
+            log.debug("slot %d (%s) may reach the internet via %s", slot, net.netns, outbound)
+
+    async def _remove_internet_access(self, slot: int) -> None:
+        async with self._host_table_lock:
+            slots = await self._known_internet_slots()
+            if slot not in slots:
+                return
+            table = self._host_table
+            with contextlib.suppress(NetworkError):  # already gone
+                await _run_nft_async(
+                    f"flush chain ip {table} slot{slot}\ndelete chain ip {table} slot{slot}\n"
+                )
+            slots.discard(slot)
+            await self._delete_host_table_if_unused()
+
+    async def _delete_host_table_if_unused(self) -> bool:
+        slots = await self._known_internet_slots()
+        if slots or not await asyncio.to_thread(self._host_table_exists):
+            return False
+        await _run_nft_async(f"delete table ip {self._host_table}\n")
+        return True
+
+    async def _known_internet_slots(self) -> set[int]:
+        if self._internet_slots is None:
+            chains = await asyncio.to_thread(self._host_chains)
+            self._internet_slots = {slot for _, slot in chains}
+        return self._internet_slots
+
+    def _host_table_exists(self) -> bool:
+        result = subprocess.run(
+            ["nft", "list", "table", "ip", self._host_table],
+            capture_output=True,
+            timeout=_NFT_TIMEOUT,
+            check=False,
+        )
+        return result.returncode == 0
+
+    def _host_chains(self) -> list[tuple[str, int]]:
+        """(name, slot) of the per-slot chains in this prefix's host table."""
+        result = subprocess.run(
+            ["nft", "-j", "list", "table", "ip", self._host_table],
+            capture_output=True,
+            text=True,
+            timeout=_NFT_TIMEOUT,
+            check=False,
+        )
+        if result.returncode != 0:
+            return []  # no table
+        chains: list[tuple[str, int]] = []
+        for item in json.loads(result.stdout).get("nftables", []):
+            name = item.get("chain", {}).get("name")
+            match = self._chain_name.fullmatch(name) if isinstance(name, str) else None
+            if match:
+                chains.append((f"{self._host_table}/{name}", int(match.group(1))))
+        return chains
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    async def _destroy_slot(self, slot: int) -> None:
+        net = self.describe(slot)
+        await _run_blocking(self._remove_by_name, [net.host_veth, net.netns])
+        await self._remove_internet_access(slot)
+
+    async def _rollback(self, slot: int) -> None:
+        try:
+            await self._destroy_slot(slot)
+        except Exception:
+            log.exception("rolling back the network of slot %d failed", slot)
+
+    def _remove_by_name(self, names: list[str]) -> None:
+        """Delete host veths and namespaces by name; missing ones are skipped."""
+        with IPRoute() as host:
+            for name in names:
+                if self._veth_name.fullmatch(name):
+                    # Deleting the host end removes the peer too, at once; the namespace
+                    # itself is torn down asynchronously by the kernel.
+                    with contextlib.suppress(_NoSuchDevice):
+                        _delete_link(host, name)
+        for name in names:
+            if self._netns_name.fullmatch(name):
+                with contextlib.suppress(FileNotFoundError):
+                    netns.remove(name)
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def _scan(self, include_table: bool = False) -> list[tuple[str, int]]:
+        """(name, slot) of every resource of this prefix present now."""
+        found: list[tuple[str, int]] = []
+        for name in netns.listnetns():
+            match = self._netns_name.fullmatch(name)
+            if match:
+                found.append((name, int(match.group(1))))
+        with IPRoute() as host:
+            for msg in host.link("dump"):
+                name = msg.get_attr("IFLA_IFNAME")
+                match = self._veth_name.fullmatch(name) if name else None
+                if match:
+                    found.append((name, int(match.group(1))))
+        found.extend(self._host_chains())
+        if include_table and self._host_table_exists():
+            found.append((self._host_table, _TABLE_SLOT))
+        return found
+
+    def _slot_lock(self, slot: int) -> asyncio.Lock:
+        lock = self._slot_locks.get(slot)
+        if lock is None:
+            lock = self._slot_locks[slot] = asyncio.Lock()
+        return lock
+
+
+class _NoSuchDevice(Exception):
+    pass
+
+
+def _call_in_thread(func: Callable[..., _T], *args: Any) -> _T:
+    """Call `func` in a short-lived thread and wait for it.
+
+    pyroute2's synchronous API runs its own event loop, so it cannot run in a thread whose
+    event loop is already running.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(func, *args).result()
+
+
+def _index(ipr: IPRoute, ifname: str) -> int:
+    indexes = ipr.link_lookup(ifname=ifname)
+    if not indexes:
+        raise NetworkError(f"interface {ifname} not found")
+    return int(indexes[0])
+
+
+def _delete_link(ipr: IPRoute, ifname: str) -> None:
+    indexes = ipr.link_lookup(ifname=ifname)
+    if not indexes:
+        raise _NoSuchDevice(ifname)
+    try:
+        ipr.link("del", index=indexes[0])
+    except NetlinkError as exc:
+        if exc.code == errno.ENODEV:
+            raise _NoSuchDevice(ifname) from exc
+        raise
+
+
+def _default_interface() -> str:
+    with IPRoute() as host:
+        for route in host.get_default_routes(family=2):
+            index = route.get_attr("RTA_OIF")
+            if index is not None:
+                links = host.link("get", index=index)
+                return str(links[0].get_attr("IFLA_IFNAME"))
+    raise NetworkError("allow_internet needs a default route on the host, and there is none")
+
+
+def _write_sysctl(key: str, value: str) -> None:
+    # /proc/sys/net shows the network namespace of the calling thread.
+    with open(f"/proc/sys/{key}", "w") as f:
+        f.write(value)
+
+
+def _write_host_sysctl(key: str, value: str) -> None:
+    with open(f"/proc/sys/{key}") as f:
+        if f.read().strip() == value:
+            return
+    _write_sysctl(key, value)
+
+
+class _NftRun:
+    """An ``nft -f -`` run, started at construction in the calling thread's namespace."""
+
+    def __init__(self, script: str) -> None:
+        try:
+            self._proc = subprocess.Popen(
+                ["nft", "-f", "-"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        except OSError as exc:
+            raise NetworkError(f"running nft failed: {exc}") from exc
+        self._script = script
+
+    def finish(self) -> None:
+        try:
+            _, stderr = self._proc.communicate(self._script, timeout=_NFT_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            self.abandon()
+            raise NetworkError(f"nft did not finish within {_NFT_TIMEOUT} s") from exc
+        if self._proc.returncode != 0:
+            raise NetworkError(f"nft rejected the ruleset: {stderr.strip()}")
+
+    def abandon(self) -> None:
+        self._proc.kill()
+        self._proc.communicate()
+
+
+async def _run_nft_async(script: str) -> None:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "nft",
+            "-f",
+            "-",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+    except OSError as exc:
+        raise NetworkError(f"running nft failed: {exc}") from exc
+    try:
+        _, stderr = await asyncio.wait_for(proc.communicate(script.encode()), _NFT_TIMEOUT)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise NetworkError(f"nft rejected the ruleset: {stderr.decode().strip()}")
+
+
+async def _run_blocking(func: Callable[..., _T], *args: Any) -> _T:
+    """Run `func` in a thread; if cancelled, wait for it to finish before propagating.
+
+    The thread cannot be interrupted, and a rollback must not race with it.
+    """
+    future = asyncio.ensure_future(asyncio.to_thread(func, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await future
+        raise

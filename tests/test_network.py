@@ -1,0 +1,399 @@
+"""Sandbox networks: namespaces, veths, NAT, teardown and crash reclamation.
+
+There is no VM here. A "fake guest" network namespace stands in for it: a veth from the
+sandbox namespace into it takes over the gateway address from tap0 (as a VM attached to
+tap0 would sit behind it), and the far end has GUEST_IP, so traffic the sandbox forwards to
+GUEST_IP arrives in the fake guest exactly as it would reach a VM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import pytest
+from pyroute2 import IPRoute, netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from agentenv.network import NetworkError, NetworkManager, SandboxNetwork
+from agentenv.network.addresses import GUEST_GATEWAY, GUEST_IP, GUEST_MAC, GUEST_PREFIX, TAP_NAME
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("nft") is None,
+    reason="sandbox networks need root and the nft tool",
+)
+
+SUBNET = "10.250.0.0/16"
+OTHER_SUBNET = "10.251.0.0/16"
+PORT = 18080
+
+
+def _new_prefix() -> str:
+    return "t" + secrets.token_hex(3)[:5]
+
+
+def _ipv4_addresses(ns: str | None, ifname: str) -> list[tuple[str, int]]:
+    with IPRoute(netns=ns) if ns else IPRoute() as ipr:
+        index = ipr.link_lookup(ifname=ifname)
+        assert index, f"{ifname} missing in {ns or 'root namespace'}"
+        return [
+            (msg.get_attr("IFA_ADDRESS"), msg["prefixlen"])
+            for msg in ipr.addr("dump", family=socket.AF_INET, index=index[0])
+        ]
+
+
+def _link_is_up(ns: str, ifname: str) -> bool:
+    with IPRoute(netns=ns) as ipr:
+        (link,) = ipr.link("get", index=ipr.link_lookup(ifname=ifname)[0])
+        return bool(link["flags"] & 1)
+
+
+def _guest_ns(net: SandboxNetwork) -> str:
+    return f"{net.netns}-guest"
+
+
+def _attach_fake_guest(net: SandboxNetwork) -> str:
+    guest = _guest_ns(net)
+    netns.create(guest)
+    with IPRoute(netns=net.netns) as sandbox:
+        sandbox.link("add", ifname="gw0", kind="veth", peer={"ifname": "eth0", "net_ns_fd": guest})
+        tap = sandbox.link_lookup(ifname=TAP_NAME)[0]
+        sandbox.addr("del", index=tap, address=GUEST_GATEWAY, prefixlen=GUEST_PREFIX)
+        gw = sandbox.link_lookup(ifname="gw0")[0]
+        sandbox.addr("add", index=gw, address=GUEST_GATEWAY, prefixlen=GUEST_PREFIX)
+        sandbox.link("set", index=gw, state="up")
+    with IPRoute(netns=guest) as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        eth0 = ipr.link_lookup(ifname="eth0")[0]
+        ipr.addr("add", index=eth0, address=GUEST_IP, prefixlen=GUEST_PREFIX)
+        ipr.link("set", index=eth0, state="up")
+        ipr.route("add", dst="0.0.0.0/0", gateway=GUEST_GATEWAY)
+    return guest
+
+
+def _remove_test_leftovers(prefix: str) -> None:
+    for name in netns.listnetns():
+        if name.startswith(f"{prefix}-") and name.endswith("-guest"):
+            netns.remove(name)
+    with IPRoute() as ipr:
+        for link in ipr.link("dump"):
+            name = link.get_attr("IFLA_IFNAME")
+            if name and name.startswith(f"{prefix}x"):
+                with suppress(NetlinkError):  # the peer of one deleted just before
+                    ipr.link("del", index=link["index"])
+
+
+def _host_ip_forward() -> str:
+    with open("/proc/sys/net/ipv4/ip_forward") as f:
+        return f.read().strip()
+
+
+@contextmanager
+def _host_ip_forward_preserved() -> Iterator[None]:
+    path = "/proc/sys/net/ipv4/ip_forward"
+    with open(path) as f:
+        before = f.read()
+    try:
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(before)
+
+
+async def _cleanup(manager: NetworkManager) -> None:
+    await asyncio.to_thread(_remove_test_leftovers, manager.prefix)
+    await manager.reclaim(set())
+
+
+@pytest.fixture
+async def manager() -> AsyncIterator[NetworkManager]:
+    mgr = NetworkManager(_new_prefix(), SUBNET, max_slots=64)
+    try:
+        yield mgr
+    finally:
+        await _cleanup(mgr)
+
+
+def _guest_socket(guest: str, kind: socket.SocketKind, port: int) -> socket.socket:
+    sock: socket.socket = netns.create_socket(guest, socket.AF_INET, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((GUEST_IP, port))
+    sock.settimeout(5)
+    if kind == socket.SOCK_STREAM:
+        sock.listen()
+    return sock
+
+
+def _guest_can_connect(guest: str, address: str, port: int) -> bool:
+    sock = netns.create_socket(guest, socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(1)
+    try:
+        sock.connect((address, port))
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+async def _assert_host_reaches_guest_tcp(net: SandboxNetwork, guest: str) -> None:
+    listener = await asyncio.to_thread(_guest_socket, guest, socket.SOCK_STREAM, PORT)
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(net.guest_address, PORT), timeout=5
+        )
+        conn, peer = await asyncio.to_thread(listener.accept)
+        with conn:
+            # No SNAT on the way in: the guest sees the host end of the veth.
+            assert peer[0] == net.host_ip
+            conn.sendall(b"from-guest")
+        assert await asyncio.wait_for(reader.read(), timeout=5) == b"from-guest"
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        listener.close()
+
+
+def _assert_host_reaches_guest_udp(net: SandboxNetwork, guest: str) -> None:
+    server = _guest_socket(guest, socket.SOCK_DGRAM, PORT)
+    with server, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+        client.settimeout(5)
+        client.sendto(b"ping", (net.guest_address, PORT))
+        data, peer = server.recvfrom(64)
+        assert (data, peer[0]) == (b"ping", net.host_ip)
+        server.sendto(b"pong", peer)
+        data, source = client.recvfrom(64)
+        assert (data, source[0]) == (b"pong", net.guest_address)
+
+
+# -- pure computation ------------------------------------------------------------------------
+
+
+def test_describe_names_and_addresses() -> None:
+    mgr = NetworkManager("ae1a2b", "10.200.0.0/16")
+    net = mgr.describe(3)
+    assert net == SandboxNetwork(
+        slot=3,
+        netns="ae1a2b-3",
+        tap=TAP_NAME,
+        host_veth="ae1a2bh3",
+        host_ip="10.200.0.13",
+        guest_address="10.200.0.14",
+        guest_mac=GUEST_MAC,
+    )
+    assert mgr.max_slots == 16384
+    assert len(mgr.describe(mgr.max_slots - 1).host_veth) <= 15
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("AE",), {}),
+        (("ae-1",), {}),
+        (("aeh1",), {}),
+        (("averylongprefix",), {}),
+        (("ae", "not-a-subnet"), {}),
+        (("ae", "10.0.0.0/31"), {}),
+        (("ae", "169.254.0.0/16"), {}),
+        (("ae", "10.200.0.0/24"), {"max_slots": 65}),
+        (("ae", "10.200.0.0/24"), {"max_slots": 0}),
+    ],
+)
+def test_bad_configuration_is_rejected(args: tuple[str, ...], kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        NetworkManager(*args, **kwargs)
+
+
+def test_bad_slot_is_rejected() -> None:
+    mgr = NetworkManager("ae", "10.200.0.0/24")
+    for slot in (-1, 64):
+        with pytest.raises(ValueError):
+            mgr.describe(slot)
+    with pytest.raises(TypeError):
+        mgr.describe(True)
+
+
+# -- real namespaces -------------------------------------------------------------------------
+
+
+@needs_root
+async def test_create_configures_namespace_and_veth(manager: NetworkManager) -> None:
+    net = await manager.create(0)
+    assert net == manager.describe(0)
+    assert await asyncio.to_thread(manager.resources) == sorted([net.netns, net.host_veth])
+    assert await asyncio.to_thread(_ipv4_addresses, net.netns, TAP_NAME) == [
+        (GUEST_GATEWAY, GUEST_PREFIX)
+    ]
+    assert await asyncio.to_thread(_link_is_up, net.netns, TAP_NAME)
+    assert await asyncio.to_thread(_ipv4_addresses, net.netns, "veth0") == [(net.guest_address, 30)]
+    assert await asyncio.to_thread(_ipv4_addresses, None, net.host_veth) == [(net.host_ip, 30)]
+
+
+@needs_root
+async def test_host_reaches_guest_ports_through_dnat(manager: NetworkManager) -> None:
+    net = await manager.create(1)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    await _assert_host_reaches_guest_tcp(net, guest)
+    await asyncio.to_thread(_assert_host_reaches_guest_udp, net, guest)
+
+
+@needs_root
+async def test_guest_cannot_open_connections_without_internet(manager: NetworkManager) -> None:
+    net = await manager.create(2)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    # Replies flow back to the host (so routing and SNAT-less return work) ...
+    await _assert_host_reaches_guest_tcp(net, guest)
+    with socket.create_server((net.host_ip, PORT)):
+        # ... but a connection the guest opens is dropped.
+        assert not await asyncio.to_thread(_guest_can_connect, guest, net.host_ip, PORT)
+
+
+@needs_root
+async def test_internet_access_rules_are_added_and_removed(manager: NetworkManager) -> None:
+    table = f"agentenv_{manager.prefix}"
+    with _host_ip_forward_preserved():
+        net = await manager.create(3, allow_internet=True)
+        other = await manager.create(4, allow_internet=True)
+        host_rules = [table, f"{table}/slot3", f"{table}/slot4"]
+        assert await asyncio.to_thread(manager.resources) == sorted(
+            [net.netns, net.host_veth, other.netns, other.host_veth, *host_rules]
+        )
+        assert await asyncio.to_thread(_host_ip_forward) == "1"
+        guest = await asyncio.to_thread(_attach_fake_guest, net)
+        await _assert_host_reaches_guest_tcp(net, guest)
+        with socket.create_server((net.host_ip, PORT)):
+            # The guest may go out, but not into services of the host itself.
+            assert not await asyncio.to_thread(_guest_can_connect, guest, net.host_ip, PORT)
+
+        await manager.destroy(3)
+        assert await asyncio.to_thread(manager.resources) == sorted(
+            [other.netns, other.host_veth, table, f"{table}/slot4"]
+        )
+        await manager.destroy(4)
+        assert await asyncio.to_thread(manager.resources) == []
+
+
+@needs_root
+async def test_destroy_removes_everything_and_is_idempotent(manager: NetworkManager) -> None:
+    net = await manager.create(5)
+    await asyncio.to_thread(_attach_fake_guest, net)
+    await manager.destroy(5)
+    assert await asyncio.to_thread(manager.resources) == []
+    assert net.netns not in netns.listnetns()
+    await manager.destroy(5)
+    await manager.destroy(6)  # never created
+    assert await asyncio.to_thread(manager.resources) == []
+
+
+@needs_root
+async def test_create_replaces_leftovers_of_the_same_slot(manager: NetworkManager) -> None:
+    await manager.create(7)
+    fresh = NetworkManager(manager.prefix, SUBNET, max_slots=64)  # as after a restart
+    net = await fresh.create(7)
+    assert await asyncio.to_thread(manager.resources) == sorted([net.netns, net.host_veth])
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    await _assert_host_reaches_guest_tcp(net, guest)
+
+
+@needs_root
+async def test_failed_create_leaves_nothing_behind(manager: NetworkManager) -> None:
+    net = manager.describe(8)
+    squatter = f"{manager.prefix}x8"
+
+    def occupy_slot_block() -> None:
+        with IPRoute() as ipr:
+            # (veth rather than dummy: this kernel has no dummy driver)
+            ipr.link("add", ifname=squatter, kind="veth", peer=f"{squatter}p")
+            index = ipr.link_lookup(ifname=squatter)[0]
+            ipr.addr("add", index=index, address=net.host_ip, prefixlen=30)
+
+    await asyncio.to_thread(occupy_slot_block)
+    with pytest.raises(NetworkError, match="already in use"):
+        await manager.create(8)
+    assert await asyncio.to_thread(manager.resources) == []
+
+
+@needs_root
+async def test_reclaim_removes_only_slots_not_kept(manager: NetworkManager) -> None:
+    with _host_ip_forward_preserved():
+        for slot in (10, 11, 12):
+            await manager.create(slot, allow_internet=slot == 12)
+        # A new manager with the same prefix, as a restarted server would have.
+        restarted = NetworkManager(manager.prefix, SUBNET, max_slots=64)
+        removed = await restarted.reclaim({11})
+    table = f"agentenv_{manager.prefix}"
+    doomed = [manager.describe(10), manager.describe(12)]
+    assert sorted(removed) == sorted(
+        [n.netns for n in doomed] + [n.host_veth for n in doomed] + [f"{table}/slot12", table]
+    )
+    kept = manager.describe(11)
+    assert await asyncio.to_thread(manager.resources) == sorted([kept.netns, kept.host_veth])
+    assert await restarted.reclaim({11}) == []
+
+
+@needs_root
+async def test_managers_with_different_prefixes_are_independent(
+    manager: NetworkManager,
+) -> None:
+    other = NetworkManager(_new_prefix(), OTHER_SUBNET, max_slots=64)
+    try:
+        mine = await manager.create(0)
+        theirs = await other.create(0)
+        assert await asyncio.to_thread(other.resources) == sorted([theirs.netns, theirs.host_veth])
+        assert await manager.reclaim(set()) == [mine.netns, mine.host_veth]
+        await manager.destroy(0)
+        assert await asyncio.to_thread(manager.resources) == []
+        assert await asyncio.to_thread(other.resources) == sorted([theirs.netns, theirs.host_veth])
+        guest = await asyncio.to_thread(_attach_fake_guest, theirs)
+        await _assert_host_reaches_guest_tcp(theirs, guest)
+    finally:
+        await _cleanup(other)
+    assert await asyncio.to_thread(other.resources) == []
+
+
+@needs_root
+async def test_concurrent_creates(manager: NetworkManager) -> None:
+    slots = [20, 21, 22, 23]
+    nets = await asyncio.gather(*(manager.create(slot) for slot in slots))
+    expected = sorted(name for n in nets for name in (n.netns, n.host_veth))
+    assert await asyncio.to_thread(manager.resources) == expected
+    for net in nets:
+        assert await asyncio.to_thread(_ipv4_addresses, net.netns, "veth0") == [
+            (net.guest_address, 30)
+        ]
+        assert await asyncio.to_thread(_ipv4_addresses, net.netns, TAP_NAME) == [
+            (GUEST_GATEWAY, GUEST_PREFIX)
+        ]
+    guest = await asyncio.to_thread(_attach_fake_guest, nets[-1])
+    await _assert_host_reaches_guest_tcp(nets[-1], guest)
+    await asyncio.gather(*(manager.destroy(slot) for slot in slots))
+    assert await asyncio.to_thread(manager.resources) == []
+
+
+@needs_root
+async def test_cancelled_create_leaves_nothing_behind(manager: NetworkManager) -> None:
+    cancelled = 0
+    for slot in range(30, 40):
+        task = asyncio.create_task(manager.create(slot))
+        # Cancel once the namespace exists, i.e. in the middle of building.
+        for _ in range(10_000):
+            if task.done() or manager.describe(slot).netns in netns.listnetns():
+                break
+            await asyncio.sleep(0.0005)
+        if task.cancel():
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            cancelled += 1
+            assert await asyncio.to_thread(manager.resources) == []
+        else:
+            await task
+            await manager.destroy(slot)
+        if cancelled >= 3:
+            break
+    assert cancelled > 0
