@@ -75,6 +75,10 @@ class SandboxProxy:
     async def forward(self, request: Request, target: ProxyTarget) -> Response:
         if not 0 < target.port < 65536:
             return _error(400, "E2b-Sandbox-Port must be a port number")
+        if target.port == ENVD_PORT and request.url.path.rstrip("/") == "/init":
+            # /init sets the sandbox's token, clock and identity: only the orchestrator,
+            # which reaches envd directly, may call it.
+            return _error(403, "envd /init is not reachable through the proxy")
         try:
             view = self.orchestrator.get(target.sandbox_id)
         except SandboxNotFound:

@@ -1,0 +1,47 @@
+"""``python -m agentenv.envd``: start the in-guest agent."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .server import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, run
+
+
+def parse_args(argv: list[str] | None = None) -> ServerOptions:
+    parser = argparse.ArgumentParser(
+        prog="python -m agentenv.envd",
+        description="envd: the agent inside every agentenv guest. Speaks E2B's envd "
+        "protocol (Connect RPC process.Process / filesystem.Filesystem, /health, /init).",
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (stderr)",
+    )
+    parser.add_argument(
+        "--no-system-changes",
+        action="store_true",
+        help="never set the clock or seed the kernel RNG from /init "
+        "(for running envd outside a guest, e.g. in tests)",
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port {args.port} is not a TCP port")
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        manage_system=not args.no_system_changes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""envd's ASGI application: a small router in front of connectrpc's applications.
+
+``/process.Process/*`` and ``/filesystem.Filesystem/*`` go to the Connect services; the
+plain HTTP endpoints (``/health``, ``/init``, ``/envs``) are answered here. Once /init
+has set an access token every request must carry it in ``X-Access-Token``, except
+/health, /init and /files (which E2B authenticates by signature instead).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .processes import ProcessRegistry
+from .state import EnvdState, InitError, InitRequest
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PROCESS_PREFIX = "/process.Process/"
+FILESYSTEM_PREFIX = "/filesystem.Filesystem/"
+#: Paths that never need the access token.
+TOKEN_EXEMPT_PATHS = frozenset({"/health", "/init", "/files"})
+#: /init bodies are a few env vars and a token; anything this large is a mistake.
+MAX_INIT_BODY = 1 << 20
+
+
+class EnvdApp:
+    """Routes requests to the Connect services or the HTTP endpoints."""
+
+    def __init__(
+        self,
+        state: EnvdState,
+        registry: ProcessRegistry,
+        *,
+        process_app: ASGIApp,
+        filesystem_app: ASGIApp,
+    ) -> None:
+        self.state = state
+        self.registry = registry
+        self._process_app = process_app
+        self._filesystem_app = filesystem_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
+        path: str = scope["path"]
+        method: str = scope["method"]
+        is_rpc = path.startswith((PROCESS_PREFIX, FILESYSTEM_PREFIX))
+
+        if path not in TOKEN_EXEMPT_PATHS and not self.state.token_matches(
+            _header(scope, b"x-access-token")
+        ):
+            if is_rpc:
+                await _send_json(
+                    send, 401, {"code": "unauthenticated", "message": "invalid access token"}
+                )
+            else:
+                await _send_json(send, 401, {"code": 401, "message": "invalid access token"})
+            return
+
+        if path.startswith(PROCESS_PREFIX):
+            await self._process_app(scope, receive, send)
+        elif path.startswith(FILESYSTEM_PREFIX):
+            await self._filesystem_app(scope, receive, send)
+        elif path == "/health":
+            if method not in ("GET", "HEAD"):
+                await _method_not_allowed(send, "GET, HEAD")
+                return
+            await _send_empty(send, 204)
+        elif path == "/init":
+            if method != "POST":
+                await _method_not_allowed(send, "POST")
+                return
+            await self._init(receive, send)
+        elif path == "/envs":
+            if method != "GET":
+                await _method_not_allowed(send, "GET")
+                return
+            await _send_json(send, 200, self.state.env_vars)
+        elif path == "/files":
+            await _send_json(
+                send, 501, {"code": 501, "message": "file transfer is not implemented yet"}
+            )
+        else:
+            await _send_json(send, 404, {"code": 404, "message": f"no route for {path}"})
+
+    async def _init(self, receive: Receive, send: Send) -> None:
+        try:
+            body = await _read_body(receive, MAX_INIT_BODY)
+            try:
+                decoded = json.loads(body) if body.strip() else None
+            except (ValueError, UnicodeDecodeError):
+                raise InitError("body is not valid JSON") from None
+            self.state.apply_init(InitRequest.from_json(decoded))
+        except InitError as e:
+            await _send_json(send, 400, {"code": 400, "message": str(e)})
+            return
+        await _send_empty(send, 204)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InitError("client disconnected")
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise InitError(f"body is larger than {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            decoded: str = value.decode("latin-1")
+            return decoded
+    return None
+
+
+async def _send_empty(send: Send, status: int) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _send_json(send: Send, status: int, payload: object) -> None:
+    body = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _method_not_allowed(send: Send, allow: str) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 405,
+            "headers": [(b"allow", allow.encode()), (b"content-length", b"0")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b""})
+
+
+def create_app(state: EnvdState, registry: ProcessRegistry) -> EnvdApp:
+    """Build envd's application with both Connect services mounted."""
+    # Imported here so `python -m agentenv.envd --help` never pays for connectrpc.
+    from .filesystem_service import FilesystemService
+    from .gen.filesystem_connect import FilesystemASGIApplication
+    from .gen.process_connect import ProcessASGIApplication
+    from .process_service import ProcessService
+
+    return EnvdApp(
+        state,
+        registry,
+        process_app=ProcessASGIApplication(ProcessService(state, registry), compressions=()),
+        filesystem_app=FilesystemASGIApplication(FilesystemService(state), compressions=()),
+    )

@@ -1,0 +1,195 @@
+"""``filesystem.Filesystem``: Stat, ListDir, MakeDir, Move and Remove over the guest's
+filesystem, with E2B's envd error codes (section 4.6 of the protocol reference).
+Directory watchers are not implemented yet and answer ``unimplemented``.
+
+envd runs as root, so paths are resolved for the request's user (``~``, relative paths)
+but access is not checked as that user; new directories are owned by them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from protobuf.wkt import Timestamp
+
+from .gen import filesystem_connect, filesystem_pb
+from .process_service import request_user
+from .state import EnvdState
+from .users import OSUser, group_name, owner_name
+
+_Ctx = RequestContext[Any, Any]
+
+
+def go_mode_string(mode: int) -> str:
+    """``st_mode`` rendered like Go's ``FileMode.String()``, e.g. ``drwxr-xr-x``."""
+    # Go's type letters, in its order ("dalTLDpSugct?"), for what a Unix stat can have.
+    flags = (
+        ("d", stat.S_ISDIR(mode)),
+        ("L", stat.S_ISLNK(mode)),
+        ("D", stat.S_ISBLK(mode) or stat.S_ISCHR(mode)),
+        ("p", stat.S_ISFIFO(mode)),
+        ("S", stat.S_ISSOCK(mode)),
+        ("u", bool(mode & stat.S_ISUID)),
+        ("g", bool(mode & stat.S_ISGID)),
+        ("c", stat.S_ISCHR(mode)),
+        ("t", bool(mode & stat.S_ISVTX)),
+    )
+    kind = "".join(letter for letter, present in flags if present) or "-"
+    perms = "".join(char if mode & (1 << (8 - i)) else "-" for i, char in enumerate("rwxrwxrwx"))
+    return kind + perms
+
+
+def _file_type(mode: int) -> Any:
+    if stat.S_ISDIR(mode):
+        return filesystem_pb.FileType.DIRECTORY
+    if stat.S_ISREG(mode):
+        return filesystem_pb.FileType.FILE
+    return filesystem_pb.FileType.UNSPECIFIED
+
+
+def entry_info(path: str, name: str | None = None) -> filesystem_pb.EntryInfo:
+    """Describe ``path`` (absolute). A symlink gets its target's type, plus the target."""
+    info = os.lstat(path)
+    file_type = _file_type(info.st_mode)
+    symlink_target: str | None = None
+    is_symlink = stat.S_ISLNK(info.st_mode)
+    if is_symlink:
+        symlink_target = os.path.realpath(path)
+        try:
+            file_type = _file_type(os.stat(path).st_mode)
+        except OSError:
+            file_type = filesystem_pb.FileType.UNSPECIFIED  # dangling link
+    return filesystem_pb.EntryInfo(
+        name=name if name is not None else (os.path.basename(path) or path),
+        type=file_type,
+        path=path,
+        size=info.st_size,
+        mode=stat.S_IMODE(info.st_mode) & 0o777,
+        permissions=go_mode_string(info.st_mode),
+        owner=owner_name(info.st_uid),
+        group=group_name(info.st_gid),
+        modified_time=Timestamp(
+            seconds=info.st_mtime_ns // 1_000_000_000, nanos=info.st_mtime_ns % 1_000_000_000
+        ),
+        symlink_target=symlink_target,
+        is_symlink=is_symlink,
+    )
+
+
+def _os_error(e: OSError, path: str) -> ConnectError:
+    if e.errno == errno.ENOENT:
+        return ConnectError(Code.NOT_FOUND, f"path {path!r} does not exist")
+    if e.errno == errno.ENOTDIR:
+        return ConnectError(Code.INVALID_ARGUMENT, f"path {path!r} is not a directory")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return ConnectError(Code.PERMISSION_DENIED, f"{path!r}: {e.strerror}")
+    if e.errno == errno.ENOSPC:
+        return ConnectError(Code.RESOURCE_EXHAUSTED, f"{path!r}: {e.strerror}")
+    return ConnectError(Code.INTERNAL, f"{path!r}: {e.strerror or e}")
+
+
+def _make_dirs(path: str, user: OSUser) -> None:
+    """``mkdir -p`` that hands every directory it creates to ``user``."""
+    missing: list[str] = []
+    current = path
+    while not os.path.lexists(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        os.mkdir(directory, 0o755)
+        if os.geteuid() == 0:
+            os.chown(directory, user.uid, user.gid)
+
+
+class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
+    """``filesystem.Filesystem`` minus the watchers."""
+
+    def __init__(self, state: EnvdState) -> None:
+        self._state = state
+
+    def _resolve(self, path: str, ctx: _Ctx) -> tuple[str, OSUser]:
+        user = request_user(self._state, ctx)
+        return self._state.resolve_path(path, user), user
+
+    async def stat(self, request: filesystem_pb.StatRequest, ctx: _Ctx) -> Any:
+        path, _ = self._resolve(request.path, ctx)
+        try:
+            return filesystem_pb.StatResponse(entry=entry_info(path))
+        except OSError as e:
+            raise _os_error(e, path) from None
+
+    async def list_dir(self, request: filesystem_pb.ListDirRequest, ctx: _Ctx) -> Any:
+        path, _ = self._resolve(request.path, ctx)
+        depth = max(request.depth, 1)
+        try:
+            if not os.path.isdir(path):
+                os.lstat(path)  # raises ENOENT for a missing path
+                raise ConnectError(Code.INVALID_ARGUMENT, f"path {path!r} is not a directory")
+            entries: list[filesystem_pb.EntryInfo] = []
+            self._walk(path, depth, entries)
+        except OSError as e:
+            raise _os_error(e, path) from None
+        return filesystem_pb.ListDirResponse(entries=entries)
+
+    def _walk(self, directory: str, depth: int, out: list[filesystem_pb.EntryInfo]) -> None:
+        with os.scandir(directory) as it:
+            children = sorted(it, key=lambda d: d.name)
+        for child in children:
+            try:
+                out.append(entry_info(child.path, child.name))
+            except FileNotFoundError:
+                continue  # removed while listing
+            if depth > 1 and child.is_dir(follow_symlinks=False):
+                try:
+                    self._walk(child.path, depth - 1, out)
+                except PermissionError:
+                    continue
+
+    async def make_dir(self, request: filesystem_pb.MakeDirRequest, ctx: _Ctx) -> Any:
+        path, user = self._resolve(request.path, ctx)
+        if os.path.isdir(path):
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory {path!r} already exists")
+        if os.path.lexists(path):
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, f"path {path!r} exists and is not a directory"
+            )
+        try:
+            _make_dirs(path, user)
+            return filesystem_pb.MakeDirResponse(entry=entry_info(path))
+        except OSError as e:
+            raise _os_error(e, path) from None
+
+    async def move(self, request: filesystem_pb.MoveRequest, ctx: _Ctx) -> Any:
+        source, user = self._resolve(request.source, ctx)
+        destination, _ = self._resolve(request.destination, ctx)
+        if not os.path.lexists(source):
+            raise ConnectError(Code.NOT_FOUND, f"path {source!r} does not exist")
+        try:
+            _make_dirs(os.path.dirname(destination), user)
+            shutil.move(source, destination)
+            return filesystem_pb.MoveResponse(entry=entry_info(destination))
+        except OSError as e:
+            raise _os_error(e, destination) from None
+
+    async def remove(self, request: filesystem_pb.RemoveRequest, ctx: _Ctx) -> Any:
+        path, _ = self._resolve(request.path, ctx)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except FileNotFoundError:
+            pass  # removing what is not there succeeds, as os.RemoveAll does
+        except OSError as e:
+            raise _os_error(e, path) from None
+        return filesystem_pb.RemoveResponse()

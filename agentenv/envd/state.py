@@ -1,0 +1,195 @@
+"""What the orchestrator configures through ``POST /init``: sandbox env vars, the access
+token, default user and workdir, plus the one-shot system effects (clock, entropy).
+
+/init is called again after every snapshot restore, so applying it must be idempotent:
+env vars are merged, the token and defaults are replaced, and the clock is only stepped
+when it is actually off.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import fcntl
+import hmac
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .users import OSUser, UnknownUserError, expand_path, initial_default_user, lookup_user
+
+logger = logging.getLogger("agentenv.envd")
+
+#: Only step the clock when it is off by more than this; small steps would just add jitter.
+CLOCK_STEP_THRESHOLD_S = 0.05
+#: RNDADDENTROPY = _IOW('R', 0x03, int[2]) from <linux/random.h>.
+RNDADDENTROPY = 0x40085203
+
+
+class InitError(ValueError):
+    """The /init body is malformed or names something that does not exist."""
+
+
+@dataclass(frozen=True, slots=True)
+class InitRequest:
+    """A parsed ``POST /init`` body. Every field is optional; None means "leave as is"."""
+
+    env_vars: dict[str, str] | None = None
+    access_token: str | None = None
+    timestamp: dt.datetime | None = None
+    default_user: str | None = None
+    default_workdir: str | None = None
+    seed: bytes | None = None
+
+    @classmethod
+    def from_json(cls, body: Any) -> InitRequest:
+        """Validate the decoded JSON body (camelCase keys, as E2B's orchestrator sends)."""
+        if body is None:
+            return cls()
+        if not isinstance(body, dict):
+            raise InitError("body must be a JSON object")
+        env_vars = body.get("envVars")
+        if env_vars is not None:
+            if not isinstance(env_vars, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+            ):
+                raise InitError("envVars must be an object of string values")
+            for key in env_vars:
+                if not key or "=" in key or "\0" in key:
+                    raise InitError(f"envVars has an invalid name {key!r}")
+        return cls(
+            env_vars=env_vars,
+            access_token=_optional_str(body, "accessToken"),
+            timestamp=_parse_timestamp(_optional_str(body, "timestamp")),
+            default_user=_optional_str(body, "defaultUser") or None,
+            default_workdir=_optional_str(body, "defaultWorkdir") or None,
+            seed=_parse_seed(_optional_str(body, "seed")),
+        )
+
+
+def _optional_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InitError(f"{key} must be a string")
+    return value
+
+
+def _parse_timestamp(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    # RFC 3339: fromisoformat handles offsets; accept the "Z" suffix and nanoseconds too.
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    date_part, sep, rest = text.partition(".")
+    if sep:
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        text = f"{date_part}.{rest[: min(digits, 6)]}{rest[digits:]}"
+    try:
+        parsed = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise InitError(f"timestamp {value!r} is not RFC 3339") from None
+    if parsed.tzinfo is None:
+        raise InitError(f"timestamp {value!r} has no UTC offset")
+    return parsed
+
+
+def _parse_seed(value: str | None) -> bytes | None:
+    if not value:
+        return None
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise InitError("seed is not valid base64") from None
+
+
+@dataclass(slots=True)
+class EnvdState:
+    """envd's mutable configuration, shared by the HTTP endpoints and the RPC services."""
+
+    #: Whether /init may touch the system (clock, kernel RNG). Off when envd runs on a
+    #: developer host or in tests.
+    manage_system: bool = True
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None
+    default_user: str = field(default_factory=initial_default_user)
+    #: The workdir /init configured; None means "the user's home".
+    default_workdir: str | None = None
+
+    def apply_init(self, request: InitRequest) -> None:
+        """Apply an /init request. Validates first so a bad request changes nothing."""
+        if request.default_user is not None:
+            try:
+                lookup_user(request.default_user)
+            except UnknownUserError as e:
+                raise InitError(str(e)) from None
+        if request.default_workdir is not None and not os.path.isabs(request.default_workdir):
+            raise InitError("defaultWorkdir must be an absolute path")
+
+        if request.env_vars:
+            self.env_vars.update(request.env_vars)
+        if request.access_token is not None:
+            # An empty token switches enforcement off, as an unset one does.
+            self.access_token = request.access_token or None
+        if request.default_user is not None:
+            self.default_user = request.default_user
+        if request.default_workdir is not None:
+            self.default_workdir = os.path.normpath(request.default_workdir)
+        if self.manage_system:
+            if request.timestamp is not None:
+                sync_clock(request.timestamp)
+            if request.seed:
+                add_entropy(request.seed)
+
+    def token_matches(self, presented: str | None) -> bool:
+        """Whether a request carrying ``presented`` as X-Access-Token may proceed."""
+        if self.access_token is None:
+            return True
+        if presented is None:
+            return False
+        return hmac.compare_digest(presented.encode(), self.access_token.encode())
+
+    def default_cwd(self, user_home: str) -> str:
+        return self.default_workdir or user_home
+
+    def resolve_path(self, path: str, user: OSUser) -> str:
+        """Expand a request path for ``user``; empty means the default workdir."""
+        if not path:
+            return self.default_cwd(user.home)
+        return expand_path(path, user)
+
+
+def sync_clock(timestamp: dt.datetime) -> None:
+    """Step CLOCK_REALTIME to ``timestamp`` when it is off (after a snapshot restore the
+    guest clock is as old as the snapshot)."""
+    target = timestamp.timestamp()
+    if abs(time.time() - target) <= CLOCK_STEP_THRESHOLD_S:
+        return
+    try:
+        time.clock_settime(time.CLOCK_REALTIME, target)
+    except OSError as e:
+        logger.warning("could not set the system clock: %s", e)
+
+
+def add_entropy(seed: bytes) -> None:
+    """Mix ``seed`` into the kernel RNG, crediting it when we are allowed to.
+
+    Restored snapshots share RNG state; fresh host entropy keeps sandboxes from producing
+    the same "random" numbers.
+    """
+    try:
+        with open("/dev/urandom", "wb", buffering=0) as urandom:
+            try:
+                # struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+                padded = seed + b"\0" * (-len(seed) % 4)
+                info = struct.pack("ii", len(seed) * 8, len(seed)) + padded
+                fcntl.ioctl(urandom.fileno(), RNDADDENTROPY, info)
+            except OSError:
+                # Without CAP_SYS_ADMIN: a plain write still mixes the bytes in.
+                urandom.write(seed)
+    except OSError as e:
+        logger.warning("could not seed the kernel RNG: %s", e)
