@@ -1,0 +1,624 @@
+"""Firecracker driver: one ``firecracker`` process per machine, driven over its HTTP API
+on a Unix socket.
+
+Things about Firecracker (v1.12) that shape this driver:
+
+- It runs only on KVM; there is no software emulation, so ``accel="tcg"`` is refused.
+- Guest RAM is anonymous memory on boot, so ``MachineSpec.memory_file`` is not used: a
+  snapshot writes a full RAM image (``memory.fc``) and a restore maps that image
+  copy-on-write (``MAP_PRIVATE``), i.e. ``memory_shared=False`` semantics.
+  ``memory_shared=True`` cannot be honoured and is refused.
+- Drives must be raw files; a qcow2 disk needs a raw view (e.g. a reflink copy) first.
+- A snapshot records each drive's ``path_on_host`` and the tap name exactly as they were
+  given, and the recorded drive paths must exist when the snapshot is loaded. So the driver
+  never hands Firecracker a real drive path: Firecracker runs with ``cwd=workdir`` and its
+  drives are the relative symlinks ``drives/<drive_id>``, pointing at the spec's files. A
+  restore in another workdir recreates the links to the restoring spec's files, and the
+  snapshot loads them. The tap is replaced on load with ``network_overrides`` (present in
+  1.12). The guest MAC is guest state and stays the snapshotted one.
+- On x86_64 Firecracker describes its virtio-mmio devices both on the kernel command line
+  (``virtio_mmio.device=``) and in ACPI (DSDT ``LNRO0005`` devices), so a kernel built
+  without ``VIRTIO_MMIO_CMDLINE_DEVICES`` (Debian's cloud kernel) still finds them, as long
+  as ACPI stays enabled and ``virtio_mmio`` is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from agentenv.vmm.base import (
+    MachineSpec,
+    SnapshotFiles,
+    VirtualMachine,
+    VMMCommandError,
+    VMMDriver,
+    VMMError,
+    VMMGone,
+    VMMStartError,
+    VMRunState,
+    VMStats,
+)
+from agentenv.vmm.firecracker_binary import find_firecracker
+from agentenv.vmm.process import VMMProcess, read_cmdline
+
+__all__ = ["FirecrackerAPI", "FirecrackerDriver", "FirecrackerVM", "find_firecracker"]
+
+API_SOCKET = "fc.sock"
+LOG_FILE = "fc.log"
+STDERR_FILE = "fc.stderr"
+CONSOLE_FILE = "console.log"
+VM_RECORD = "vm.json"
+DRIVES_DIR = "drives"
+STATE_FILE = "state.fc"
+MEMORY_FILE = "memory.fc"
+NET_IFACE_ID = "eth0"
+
+# Kernel parameters a Firecracker guest needs unless the caller chose otherwise: there is
+# no PCI bus to probe (devices are virtio-mmio), the only reset Firecracker emulates is the
+# keyboard controller's (after which it exits), and a panicking guest should reset rather
+# than hang.
+FIRECRACKER_BOOT_ARGS: Final = (("pci", "off"), ("reboot", "k"), ("panic", "1"))
+
+BALLOON_STATS_INTERVAL_S = 5
+START_TIMEOUT_S = 10.0
+API_TIMEOUT_S = 10.0
+# Writing or mapping the RAM image scales with guest memory and disk speed.
+SNAPSHOT_TIMEOUT_S = 600.0
+
+_DRIVE_ID = re.compile(r"^[A-Za-z0-9_]+$")
+_INSTANCE_ID_BAD = re.compile(r"[^A-Za-z0-9-]")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_FIRECRACKER_STATES = {"Running": VMRunState.RUNNING, "Paused": VMRunState.PAUSED}
+
+
+# --- Plain helpers (blocking file work kept out of coroutines) --------------------------
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    return data[-limit:].decode("utf-8", "replace").strip()
+
+
+def _log_tail(workdir: Path) -> str:
+    parts = [
+        f"{name}: {text}" for name in (STDERR_FILE, LOG_FILE) if (text := _tail(workdir / name))
+    ]
+    return "\n".join(parts) or "(no log output)"
+
+
+def _boot_args(cmdline: str) -> str:
+    """``cmdline`` plus the parameters Firecracker needs, unless the caller set them."""
+    present = {word.split("=", 1)[0] for word in cmdline.split()}
+    extra = [f"{key}={value}" for key, value in FIRECRACKER_BOOT_ARGS if key not in present]
+    return " ".join([cmdline.strip(), *extra]).strip()
+
+
+def _instance_id(workdir: Path) -> str:
+    # Firecracker accepts alphanumerics and hyphens, at most 64 characters.
+    name = _INSTANCE_ID_BAD.sub("-", workdir.name).strip("-")[:64]
+    return name or "agentenv-vm"
+
+
+def _validate_spec(spec: MachineSpec) -> None:
+    """Refuse (with :class:`VMMStartError`) specs Firecracker cannot run, before any
+    process is started."""
+    if spec.accel != "kvm":
+        raise VMMStartError(
+            f"Firecracker runs only on KVM, not accel={spec.accel!r}: it has no software "
+            "emulation. Use the QEMU driver for TCG."
+        )
+    if not Path("/dev/kvm").exists():
+        raise VMMStartError("Firecracker needs /dev/kvm, which this host does not have")
+    if spec.memory_shared:
+        raise VMMStartError(
+            "Firecracker cannot back guest RAM with a shared file (memory_shared=True): it "
+            "keeps RAM anonymous on boot and maps a snapshot's RAM image copy-on-write"
+        )
+    if spec.vcpus < 1 or spec.memory_mib < 1:
+        raise VMMStartError(
+            f"need at least 1 vCPU and 1 MiB of RAM, got {spec.vcpus}/{spec.memory_mib}"
+        )
+    for drive in spec.drives:
+        if not _DRIVE_ID.match(drive.drive_id):
+            raise VMMStartError(
+                f"drive id {drive.drive_id!r} is not valid for Firecracker "
+                "(letters, digits and underscores only)"
+            )
+        if drive.fmt != "raw":
+            raise VMMStartError(
+                f"drive {drive.drive_id!r} is {drive.fmt}; Firecracker reads only raw images, "
+                "so give it a raw view of the disk (e.g. a raw or reflinked copy)"
+            )
+        if not drive.path.is_file():
+            raise VMMStartError(f"drive {drive.drive_id!r}: {drive.path} is not a file")
+    if len({d.drive_id for d in spec.drives}) != len(spec.drives):
+        raise VMMStartError("drive ids must be unique")
+    if not spec.kernel.is_file():
+        raise VMMStartError(f"kernel {spec.kernel} is not a file")
+    if spec.initrd is not None and not spec.initrd.is_file():
+        raise VMMStartError(f"initrd {spec.initrd} is not a file")
+    if spec.net is not None and spec.net.netns is not None:
+        if not Path("/run/netns", spec.net.netns).exists():
+            raise VMMStartError(f"network namespace {spec.net.netns!r} does not exist")
+
+
+def _validate_snapshot(snapshot: SnapshotFiles) -> tuple[Path, Path]:
+    if snapshot.memory_file is None or not snapshot.memory_file.is_file():
+        raise VMMStartError(f"snapshot RAM image {snapshot.memory_file} is missing")
+    if not snapshot.state_file.is_file():
+        raise VMMStartError(f"snapshot state file {snapshot.state_file} is missing")
+    return snapshot.state_file.resolve(), snapshot.memory_file.resolve()
+
+
+def _prepare_workdir(spec: MachineSpec, workdir: Path) -> Path:
+    """Create ``workdir`` with an empty log (Firecracker refuses a missing ``--log-path``),
+    no stale socket or record, and ``drives/<id>`` links to the spec's drives."""
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / API_SOCKET).unlink(missing_ok=True)
+    (workdir / VM_RECORD).unlink(missing_ok=True)
+    (workdir / LOG_FILE).write_bytes(b"")
+    drives_dir = workdir / DRIVES_DIR
+    drives_dir.mkdir(exist_ok=True)
+    for drive in spec.drives:
+        tmp = drives_dir / f".{drive.drive_id}.{uuid.uuid4().hex[:8]}"
+        tmp.symlink_to(drive.path.resolve())
+        os.replace(tmp, drives_dir / drive.drive_id)
+    return workdir
+
+
+def _spawn(argv: list[str], workdir: Path) -> VMMProcess:
+    """Start ``argv`` in its own session (it must outlive a server restart) with the guest
+    console (stdout) in ``console.log``."""
+    with (
+        open(workdir / CONSOLE_FILE, "wb") as console,
+        open(workdir / STDERR_FILE, "wb") as stderr,
+    ):
+        try:
+            popen = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=stderr,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise VMMStartError(f"cannot run {argv[0]}: {exc}") from exc
+    return VMMProcess(popen.pid, popen)
+
+
+def _read_stats(pid: int) -> tuple[int, int, float]:
+    """RSS, PSS (bytes) and CPU seconds of ``pid``."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError as exc:
+        raise VMMGone(f"firecracker pid {pid} is gone") from exc
+    sizes: dict[str, int] = {}
+    for line in rollup.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Pss"):
+            sizes[key] = int(rest.split()[0]) * 1024
+    # utime and stime are fields 14 and 15; count from after the "(comm)" field.
+    after_comm = stat[stat.rindex(")") + 2 :].split()
+    cpu_seconds = (int(after_comm[11]) + int(after_comm[12])) / _CLK_TCK
+    return sizes.get("Rss", 0), sizes.get("Pss", 0), cpu_seconds
+
+
+def _make_dir(path: Path) -> Path:
+    path = path.resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _read_record(workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """``workdir`` made absolute, and the record :meth:`FirecrackerVM.write_record` left."""
+    workdir = workdir.resolve()
+    try:
+        record: dict[str, Any] = json.loads((workdir / VM_RECORD).read_text())
+        int(record["pid"]), str(record["api_socket"]), dict(record["shape"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise VMMGone(f"no Firecracker process recorded in {workdir}: {exc}") from exc
+    return workdir, record
+
+
+# --- API client ---------------------------------------------------------------------------
+
+
+class FirecrackerAPI:
+    """A minimal client for Firecracker's API socket: JSON in, JSON (or nothing) out, and
+    ``{"fault_message": ...}`` replies raised as :class:`VMMCommandError`."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self._client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=str(socket_path)),
+            base_url="http://localhost",
+            timeout=API_TIMEOUT_S,
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        read_timeout: float = API_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        response = await self._client.request(method, path, json=body, timeout=read_timeout)
+        if response.status_code >= 300:
+            try:
+                fault = response.json().get("fault_message") or response.text
+            except ValueError:
+                fault = response.text
+            raise VMMCommandError(f"{method} {path} failed ({response.status_code}): {fault}")
+        if not response.content:
+            return {}
+        data: dict[str, Any] = response.json()
+        return data
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+# --- Machine handle -----------------------------------------------------------------------
+
+
+class FirecrackerVM(VirtualMachine):
+    """A handle on one Firecracker process, started by this server or adopted."""
+
+    def __init__(
+        self,
+        *,
+        workdir: Path,
+        process: VMMProcess,
+        api: FirecrackerAPI,
+        shape: dict[str, Any],
+        tap: str | None,
+        state: VMRunState,
+    ) -> None:
+        self.workdir = workdir
+        self._process = process
+        self._api = api
+        self._shape = shape
+        self._tap = tap
+        self._state = state
+        # After close() the process is no longer watched; this handle must not touch it.
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def state(self) -> VMRunState:
+        # A closed handle keeps its last known state: the process is no longer watched.
+        if not self._closed and not self._process.alive():
+            self._state = VMRunState.STOPPED
+        return self._state
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        read_timeout: float = API_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """One API request; a dead process is reported as :class:`VMMGone`."""
+        if self._closed:
+            raise VMMGone(f"handle on firecracker pid {self.pid} was closed")
+        if not self._process.alive():
+            raise VMMGone(f"firecracker pid {self.pid} has exited\n{_log_tail(self.workdir)}")
+        try:
+            return await self._api.request(method, path, body, read_timeout=read_timeout)
+        except httpx.TransportError as exc:
+            # Give the exit notification a moment to arrive before judging.
+            if await self._process.wait(0.05):
+                raise VMMGone(
+                    f"firecracker pid {self.pid} exited during {method} {path}\n"
+                    f"{_log_tail(self.workdir)}"
+                ) from exc
+            raise VMMCommandError(f"{method} {path}: {exc!r}") from exc
+
+    async def describe(self) -> dict[str, Any]:
+        """Firecracker's instance info: ``id``, ``state``, ``vmm_version``."""
+        return await self.call("GET", "/")
+
+    async def pause(self) -> None:
+        await self.call("PATCH", "/vm", {"state": "Paused"})
+        self._state = VMRunState.PAUSED
+
+    async def resume(self) -> None:
+        await self.call("PATCH", "/vm", {"state": "Resumed"})
+        self._state = VMRunState.RUNNING
+
+    async def save_state(self, dest: Path) -> SnapshotFiles:
+        dest = _make_dir(dest)
+        was_running = self.state is VMRunState.RUNNING
+        if was_running:
+            await self.pause()
+        token = uuid.uuid4().hex[:8]
+        tmp_state = dest / f".{STATE_FILE}.{token}.tmp"
+        tmp_memory = dest / f".{MEMORY_FILE}.{token}.tmp"
+        state_file, memory_file = dest / STATE_FILE, dest / MEMORY_FILE
+        leftovers = [tmp_state, tmp_memory]
+        try:
+            version = (await self.call("GET", "/version")).get("firecracker_version", "")
+            await self.call(
+                "PUT",
+                "/snapshot/create",
+                {
+                    "snapshot_type": "Full",
+                    "snapshot_path": str(tmp_state),
+                    "mem_file_path": str(tmp_memory),
+                },
+                read_timeout=SNAPSHOT_TIMEOUT_S,
+            )
+            os.replace(tmp_memory, memory_file)
+            # From here an older state file next to the new RAM image would be a mismatch.
+            leftovers += [memory_file, state_file]
+            os.replace(tmp_state, state_file)
+        except BaseException:
+            _remove(leftovers)
+            if was_running and self._process.alive():
+                with contextlib.suppress(VMMError):
+                    await self.resume()
+            raise
+        return SnapshotFiles(
+            driver=FirecrackerDriver.name,
+            accel="kvm",
+            state_file=state_file,
+            memory_file=memory_file,
+            shape=dict(self._shape),
+            meta={"firecracker_version": version, "tap": self._tap},
+        )
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Send Ctrl+Alt+Del (Firecracker exits when the guest then resets through the
+        i8042), and SIGKILL after ``timeout``. A guest without an i8042 driver, or a
+        paused one, ignores the request, so this can end in the kill."""
+        if self.state is VMRunState.RUNNING:
+            with contextlib.suppress(VMMError):
+                await self.call("PUT", "/actions", {"action_type": "SendCtrlAltDel"})
+            await self._process.wait(timeout)
+        await self.kill()
+
+    async def kill(self) -> None:
+        if self._closed:
+            return
+        await self._process.kill()
+        self._state = VMRunState.STOPPED
+        await self._api.aclose()
+        _remove([self.workdir / API_SOCKET, self.workdir / VM_RECORD])
+
+    async def stats(self) -> VMStats:
+        state = self.state
+        if state is VMRunState.STOPPED:
+            raise VMMGone(f"firecracker pid {self.pid} has exited")
+        rss, pss, cpu_seconds = _read_stats(self.pid)
+        return VMStats(
+            pid=self.pid, state=state, rss_bytes=rss, pss_bytes=pss, cpu_seconds=cpu_seconds
+        )
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._process.detach()
+            await self._api.aclose()
+
+    def write_record(self) -> None:
+        """Record what :meth:`FirecrackerDriver.attach` needs to find this process."""
+        record = {
+            "pid": self.pid,
+            "api_socket": str(self._api.socket_path),
+            "shape": self._shape,
+            "tap": self._tap,
+        }
+        tmp = self.workdir / f".{VM_RECORD}.tmp"
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+        os.replace(tmp, self.workdir / VM_RECORD)
+
+
+# --- Driver -------------------------------------------------------------------------------
+
+
+class FirecrackerDriver(VMMDriver):
+    """Starts Firecracker processes from ``binary`` (see :func:`find_firecracker`)."""
+
+    name = "firecracker"
+
+    def __init__(self, binary: Path) -> None:
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise VMMError(f"Firecracker binary {binary} is not an executable file")
+        self.binary = binary
+
+    async def boot(self, spec: MachineSpec, workdir: Path) -> FirecrackerVM:
+        _validate_spec(spec)
+        vm = await self._start(spec, workdir)
+        try:
+            await vm.call(
+                "PUT",
+                "/machine-config",
+                {"vcpu_count": spec.vcpus, "mem_size_mib": spec.memory_mib},
+            )
+            boot_source: dict[str, Any] = {
+                "kernel_image_path": str(spec.kernel.resolve()),
+                "boot_args": _boot_args(spec.cmdline),
+            }
+            if spec.initrd is not None:
+                boot_source["initrd_path"] = str(spec.initrd.resolve())
+            await vm.call("PUT", "/boot-source", boot_source)
+            for drive in spec.drives:
+                await vm.call(
+                    "PUT",
+                    f"/drives/{drive.drive_id}",
+                    {
+                        "drive_id": drive.drive_id,
+                        "path_on_host": f"{DRIVES_DIR}/{drive.drive_id}",
+                        # root= comes from spec.cmdline, and drives keep guest order.
+                        "is_root_device": False,
+                        "is_read_only": drive.read_only,
+                    },
+                )
+            if spec.net is not None:
+                await vm.call(
+                    "PUT",
+                    f"/network-interfaces/{NET_IFACE_ID}",
+                    {
+                        "iface_id": NET_IFACE_ID,
+                        "host_dev_name": spec.net.tap,
+                        "guest_mac": spec.net.mac,
+                    },
+                )
+            await vm.call(
+                "PUT",
+                "/balloon",
+                {
+                    "amount_mib": 0,
+                    "deflate_on_oom": True,
+                    "stats_polling_interval_s": BALLOON_STATS_INTERVAL_S,
+                },
+            )
+            await vm.call("PUT", "/actions", {"action_type": "InstanceStart"})
+            vm._state = VMRunState.RUNNING
+            vm.write_record()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def restore(
+        self,
+        spec: MachineSpec,
+        snapshot: SnapshotFiles,
+        workdir: Path,
+        *,
+        resume: bool = True,
+    ) -> FirecrackerVM:
+        """Load ``snapshot`` into a new process. RAM comes from ``snapshot.memory_file``
+        (mapped copy-on-write, never written to); drives come from ``spec.drives`` and the
+        tap from ``spec.net``; the guest MAC stays the snapshotted one."""
+        snapshot.check_compatible(self.name, spec)
+        _validate_spec(spec)
+        state_file, memory_file = _validate_snapshot(snapshot)
+        vm = await self._start(spec, workdir)
+        body: dict[str, Any] = {
+            "snapshot_path": str(state_file),
+            "mem_backend": {"backend_type": "File", "backend_path": str(memory_file)},
+            "enable_diff_snapshots": False,
+            "resume_vm": resume,
+        }
+        if spec.net is not None:
+            body["network_overrides"] = [{"iface_id": NET_IFACE_ID, "host_dev_name": spec.net.tap}]
+        try:
+            await vm.call("PUT", "/snapshot/load", body, read_timeout=SNAPSHOT_TIMEOUT_S)
+            vm._state = VMRunState.RUNNING if resume else VMRunState.PAUSED
+            vm.write_record()
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def attach(self, workdir: Path) -> FirecrackerVM:
+        workdir, record = _read_record(workdir)
+        pid, socket_path = int(record["pid"]), Path(record["api_socket"])
+        # The pid may have been reused by an unrelated process since the record was made.
+        if str(socket_path) not in read_cmdline(pid):
+            raise VMMGone(f"firecracker pid {pid} recorded in {workdir} is gone")
+        try:
+            process = VMMProcess.adopt(pid)
+        except ProcessLookupError as exc:
+            raise VMMGone(f"firecracker pid {pid} recorded in {workdir} is gone") from exc
+        vm = FirecrackerVM(
+            workdir=workdir,
+            process=process,
+            api=FirecrackerAPI(socket_path),
+            shape=dict(record["shape"]),
+            tap=record.get("tap"),
+            state=VMRunState.STARTING,
+        )
+        try:
+            info = await vm.describe()
+        except VMMError as exc:
+            await vm.close()
+            raise VMMGone(f"firecracker pid {pid} does not answer: {exc}") from exc
+        vm._state = _FIRECRACKER_STATES.get(info.get("state", ""), VMRunState.STARTING)
+        return vm
+
+    async def _start(self, spec: MachineSpec, workdir: Path) -> FirecrackerVM:
+        """Start Firecracker with ``workdir`` as its cwd (so the relative drive links
+        resolve) and return once its API answers."""
+        workdir = _prepare_workdir(spec, workdir)
+        socket_path = workdir / API_SOCKET
+        argv = [
+            str(self.binary),
+            "--api-sock",
+            str(socket_path),
+            "--id",
+            _instance_id(workdir),
+            "--level",
+            "Warning",
+            "--log-path",
+            str(workdir / LOG_FILE),
+        ]
+        if spec.net is not None and spec.net.netns is not None:
+            ip = shutil.which("ip")
+            if ip is None:
+                raise VMMStartError("'ip' (iproute2) is needed to start Firecracker in a netns")
+            # `ip netns exec` enters the namespace and execs, so the pid stays Firecracker's.
+            argv = [ip, "netns", "exec", spec.net.netns, *argv]
+        vm = FirecrackerVM(
+            workdir=workdir,
+            process=_spawn(argv, workdir),
+            api=FirecrackerAPI(socket_path),
+            shape=spec.shape(),
+            tap=spec.net.tap if spec.net is not None else None,
+            state=VMRunState.STARTING,
+        )
+        try:
+            await self._wait_for_api(vm)
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def _wait_for_api(self, vm: FirecrackerVM) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            # Connecting before the socket exists just fails fast, so no separate check.
+            try:
+                await vm._api.request("GET", "/", read_timeout=1.0)
+                return
+            except (httpx.TransportError, VMMCommandError):
+                pass
+            if not vm._process.alive():
+                raise VMMStartError(f"firecracker exited while starting\n{_log_tail(vm.workdir)}")
+            if time.monotonic() > deadline:
+                raise VMMStartError(
+                    f"firecracker API did not come up within {START_TIMEOUT_S:.0f}s\n"
+                    f"{_log_tail(vm.workdir)}"
+                )
+            if await vm._process.wait(0.005):
+                raise VMMStartError(f"firecracker exited while starting\n{_log_tail(vm.workdir)}")

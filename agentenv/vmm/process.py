@@ -1,0 +1,126 @@
+"""Watching VMM processes that may outlive the server that started them.
+
+VMM processes run in their own session so a server restart does not take them down, and a
+new server re-adopts them. asyncio's subprocess transport is deliberately not used: it
+kills a still-running child when the transport is closed or garbage-collected, which is the
+opposite of what we want. Instead every process, started or adopted, is watched through a
+pidfd (readable once the process has exited), and processes we started are reaped with
+``waitpid`` so they do not linger as zombies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def read_cmdline(pid: int) -> list[str]:
+    """The argv of ``pid`` (empty if it has gone or is a zombie)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    # The command name is in parentheses and may contain spaces; the state follows it.
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+class VMMProcess:
+    """One VMM process: started here (``spawn``) or left by a previous server (``adopt``)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
+        self.pid = pid
+        self._popen = popen
+        self._pidfd = os.pidfd_open(pid)
+        self._exited = asyncio.Event()
+        self._returncode: int | None = None
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._pidfd, self._on_exit)
+
+    @classmethod
+    def spawn(cls, argv: Sequence[str], *, log_path: Path, cwd: Path) -> VMMProcess:
+        """Start ``argv`` in a new session with stdout and stderr appended to ``log_path``."""
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                cwd=cwd,
+                start_new_session=True,
+                close_fds=True,
+            )
+        return cls(popen.pid, popen)
+
+    @classmethod
+    def adopt(cls, pid: int) -> VMMProcess:
+        """Watch a process this server did not start. Raises ``ProcessLookupError`` if it
+        is not there."""
+        if is_zombie(pid):
+            # If it is our own child (a handle was closed and the VM exited later), reap
+            # it now rather than leave the zombie until this server exits.
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            raise ProcessLookupError(pid)
+        return cls(pid, None)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    def _on_exit(self) -> None:
+        self._release_pidfd()
+        if self._popen is not None:
+            # Reaps the child; Popen copes if someone else already reaped it.
+            self._returncode = self._popen.poll()
+        self._exited.set()
+
+    def _release_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    async def wait(self, limit_s: float | None = None) -> bool:
+        """Wait for the process to exit; True if it did within ``limit_s`` seconds."""
+        try:
+            await asyncio.wait_for(self._exited.wait(), limit_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def send_signal(self, sig: int) -> None:
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            # Through the pidfd, so a recycled pid can never receive the signal.
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    async def kill(self) -> None:
+        """SIGKILL and wait until the process is gone (reaped, if it is our child)."""
+        self.send_signal(signal.SIGKILL)
+        await self._exited.wait()
+
+    def detach(self) -> None:
+        """Stop watching without touching the process."""
+        self._release_pidfd()
+        if self._popen is not None:
+            # Keep Popen from reaping (or warning about) a process we leave running.
+            self._popen.returncode = 0
+            self._popen = None

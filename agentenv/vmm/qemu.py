@@ -1,0 +1,673 @@
+"""QEMU ``-M microvm`` driver, controlled over QMP.
+
+Guest RAM always lives in a ``memory-backend-file`` (``spec.memory_file``). Mapped shared,
+the file *is* guest RAM and a snapshot is only device state (migration capability
+``x-ignore-shared``, tens of KiB, milliseconds). Mapped private, the file is a
+copy-on-write base that the guest never modifies, which is how many restored sandboxes
+share one template's RAM; such a machine's snapshot streams its RAM into the state file.
+
+Migration streams go through file descriptors passed over the QMP socket (``getfd`` +
+``fd:``) rather than ``exec:cat``: QEMU 7.2 SIGTERMs the ``exec:`` helper as soon as the
+stream is closed, without waiting for it to finish writing, so ``exec:cat > file`` can
+leave a truncated snapshot behind while reporting success.
+
+Each VMM runs in its own session, with everything needed to find it again (pid, argv,
+spec) in ``<workdir>/vm.json``, so a restarted server can :meth:`QemuDriver.attach` to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
+
+from agentenv.vmm.base import (
+    DriveSpec,
+    MachineSpec,
+    NetSpec,
+    SnapshotFiles,
+    SnapshotIncompatible,
+    VirtualMachine,
+    VMMCommandError,
+    VMMDriver,
+    VMMError,
+    VMMGone,
+    VMMStartError,
+    VMRunState,
+    VMStats,
+)
+from agentenv.vmm.process import VMMProcess, read_cmdline
+
+CONSOLE_LOG = "console.log"
+PROCESS_LOG = "qemu.log"
+QMP_SOCKET = "qmp.sock"
+PID_FILE = "qemu.pid"
+VM_RECORD = "vm.json"
+STATE_FILE = "state.mig"
+
+MACHINE_TYPE = "microvm"
+# Effectively unthrottled: the default migration bandwidth cap slows a local save to a
+# crawl (reference §9.5).
+_MIGRATE_MAX_BANDWIDTH = 100 * 1024**3
+_MIGRATE_DOWNTIME_LIMIT_MS = 100_000
+
+_QEMU_ID = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+_MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
+_IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+
+_LOG_TAIL_BYTES = 3000
+
+
+def _opt_path(path: Path) -> str:
+    """A path as a QEMU option value (commas are the option separator; ``,,`` escapes)."""
+    return str(path).replace(",", ",,")
+
+
+def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _logs_tail(workdir: Path) -> str:
+    parts = []
+    for name in (PROCESS_LOG, CONSOLE_LOG):
+        text = _tail(workdir / name).strip()
+        if text:
+            parts.append(f"--- {name} (tail) ---\n{text}")
+    return "\n".join(parts) if parts else "(no output)"
+
+
+def _check_spec(spec: MachineSpec) -> None:
+    """Reject specs QEMU would fail on late and obscurely, or that could inject options."""
+    if spec.vcpus < 1:
+        raise VMMStartError(f"vcpus must be at least 1, got {spec.vcpus}")
+    if spec.memory_mib < 16:
+        raise VMMStartError(f"memory_mib must be at least 16, got {spec.memory_mib}")
+    if not spec.kernel.is_file():
+        raise VMMStartError(f"kernel {spec.kernel} does not exist")
+    if spec.initrd is not None and not spec.initrd.is_file():
+        raise VMMStartError(f"initrd {spec.initrd} does not exist")
+    if not spec.memory_file.parent.is_dir():
+        raise VMMStartError(f"directory of memory file {spec.memory_file} does not exist")
+    seen: set[str] = set()
+    for drive in spec.drives:
+        if not _QEMU_ID.match(drive.drive_id):
+            raise VMMStartError(f"drive id {drive.drive_id!r} is not a valid QEMU id")
+        if drive.drive_id in seen:
+            raise VMMStartError(f"drive id {drive.drive_id!r} is used twice")
+        seen.add(drive.drive_id)
+        if not drive.path.exists():
+            raise VMMStartError(f"drive {drive.drive_id}: {drive.path} does not exist")
+    if spec.net is not None:
+        if not _IFNAME.match(spec.net.tap):
+            raise VMMStartError(f"tap name {spec.net.tap!r} is not a valid interface name")
+        if not _MAC.match(spec.net.mac):
+            raise VMMStartError(f"MAC address {spec.net.mac!r} is malformed")
+        if spec.net.netns is not None and not Path("/run/netns", spec.net.netns).exists():
+            raise VMMStartError(f"network namespace {spec.net.netns!r} does not exist")
+
+
+def _prepare_workdir(spec: MachineSpec, workdir: Path) -> None:
+    _check_spec(spec)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in (QMP_SOCKET, PID_FILE, VM_RECORD):
+        with contextlib.suppress(FileNotFoundError):
+            (workdir / name).unlink()
+
+
+def _spec_to_dict(spec: MachineSpec) -> dict[str, Any]:
+    return {
+        "vcpus": spec.vcpus,
+        "memory_mib": spec.memory_mib,
+        "kernel": str(spec.kernel),
+        "cmdline": spec.cmdline,
+        "drives": [
+            {"drive_id": d.drive_id, "path": str(d.path), "read_only": d.read_only, "fmt": d.fmt}
+            for d in spec.drives
+        ],
+        "memory_file": str(spec.memory_file),
+        "memory_shared": spec.memory_shared,
+        "accel": spec.accel,
+        "initrd": str(spec.initrd) if spec.initrd else None,
+        "net": (
+            {"tap": spec.net.tap, "mac": spec.net.mac, "netns": spec.net.netns}
+            if spec.net
+            else None
+        ),
+    }
+
+
+def _spec_from_dict(data: Mapping[str, Any]) -> MachineSpec:
+    net = data.get("net")
+    return MachineSpec(
+        vcpus=data["vcpus"],
+        memory_mib=data["memory_mib"],
+        kernel=Path(data["kernel"]),
+        cmdline=data["cmdline"],
+        drives=tuple(
+            DriveSpec(
+                drive_id=d["drive_id"], path=Path(d["path"]), read_only=d["read_only"], fmt=d["fmt"]
+            )
+            for d in data["drives"]
+        ),
+        memory_file=Path(data["memory_file"]),
+        memory_shared=data["memory_shared"],
+        accel=data["accel"],
+        initrd=Path(data["initrd"]) if data.get("initrd") else None,
+        net=NetSpec(tap=net["tap"], mac=net["mac"], netns=net.get("netns")) if net else None,
+    )
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What :meth:`QemuDriver._launch` hands back: a started process with QMP up."""
+
+    process: VMMProcess
+    qmp: Any  # qemu.qmp.QMPClient (untyped library)
+
+
+class QemuVM(VirtualMachine):
+    """A handle on one QEMU process."""
+
+    def __init__(
+        self,
+        *,
+        spec: MachineSpec,
+        workdir: Path,
+        process: VMMProcess,
+        qmp: Any,
+        state: VMRunState,
+        command_timeout: float,
+        migration_timeout: float,
+    ) -> None:
+        self.spec = spec
+        self.workdir = workdir
+        self._process = process
+        self._qmp = qmp
+        self._state = state
+        self._command_timeout = command_timeout
+        self._migration_timeout = migration_timeout
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<QemuVM pid={self.pid} state={self.state} workdir={self.workdir}>"
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def state(self) -> VMRunState:
+        if not self._process.alive():
+            return VMRunState.STOPPED
+        return self._state
+
+    @property
+    def console_log(self) -> Path:
+        return self.workdir / CONSOLE_LOG
+
+    # -- control -------------------------------------------------------------------------
+
+    async def execute(self, command: str, arguments: Mapping[str, object] | None = None) -> Any:
+        """Run one QMP command, translating failures into :class:`VMMError` subclasses."""
+        return await _execute(self._qmp, self._process, command, arguments, self._command_timeout)
+
+    async def pause(self) -> None:
+        await self.execute("stop")
+        self._state = VMRunState.PAUSED
+
+    async def resume(self) -> None:
+        await self.execute("cont")
+        self._state = VMRunState.RUNNING
+
+    async def save_state(self, dest: Path) -> SnapshotFiles:
+        """Write ``dest/state.mig``; the VM is left paused.
+
+        With shared RAM the snapshot is ``state.mig`` plus :attr:`MachineSpec.memory_file`,
+        which is still this VM's live RAM: copy (or reflink) it before resuming if the
+        snapshot must outlive the VM's next run. With private RAM, the RAM is streamed
+        into ``state.mig`` and ``memory_file`` is None.
+        """
+        if not self._process.alive():
+            raise VMMGone(f"QEMU process {self.pid} has exited")
+        final, partial = _state_paths(dest)
+        was_running = self._state is VMRunState.RUNNING
+        ram_in_file = self.spec.memory_shared
+        try:
+            version = await self.execute("query-version")
+            await self.execute(
+                "migrate-set-capabilities",
+                {"capabilities": [{"capability": "x-ignore-shared", "state": ram_in_file}]},
+            )
+            await self.execute(
+                "migrate-set-parameters",
+                {
+                    "max-bandwidth": _MIGRATE_MAX_BANDWIDTH,
+                    "downtime-limit": _MIGRATE_DOWNTIME_LIMIT_MS,
+                },
+            )
+            if was_running:
+                await self.pause()
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                await _pass_fd(self._qmp, self._process, fd, "agentenv-save", self._command_timeout)
+            finally:
+                os.close(fd)
+            await self.execute("migrate", {"uri": "fd:agentenv-save"})
+            await _await_migration(
+                self._qmp, self._process, self._migration_timeout, self._command_timeout
+            )
+            os.replace(partial, final)
+        except BaseException as exc:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+            if self._process.alive():
+                with contextlib.suppress(VMMError):
+                    await self.execute("migrate_cancel")
+                if was_running:
+                    with contextlib.suppress(VMMError):
+                        await self.resume()
+            if isinstance(exc, VMMError) or not isinstance(exc, Exception):
+                raise
+            raise VMMCommandError(f"save_state failed: {exc}") from exc
+        qemu = version["qemu"]
+        return SnapshotFiles(
+            driver=QemuDriver.name,
+            accel=self.spec.accel,
+            state_file=final,
+            memory_file=self.spec.memory_file if ram_in_file else None,
+            shape=self.spec.shape(),
+            meta={
+                "qemu_version": f"{qemu['major']}.{qemu['minor']}.{qemu['micro']}",
+                "qemu_package": version.get("package", ""),
+                "machine": MACHINE_TYPE,
+            },
+        )
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        if self._process.alive():
+            with contextlib.suppress(VMMError):
+                await self.execute("quit")
+            if not await self._process.wait(timeout):
+                await self._process.kill()
+        await self._disconnect()
+
+    async def kill(self) -> None:
+        await self._process.kill()
+        await self._disconnect()
+
+    async def stats(self) -> VMStats:
+        pid = self.pid
+        if not self._process.alive():
+            raise VMMGone(f"QEMU process {pid} has exited")
+        try:
+            rss, pss, cpu_seconds = _read_proc_usage(pid)
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise VMMGone(f"QEMU process {pid} has exited") from exc
+        return VMStats(
+            pid=pid, state=self.state, rss_bytes=rss, pss_bytes=pss, cpu_seconds=cpu_seconds
+        )
+
+    async def close(self) -> None:
+        await self._disconnect()
+        self._process.detach()
+
+    async def _disconnect(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # disconnect() re-raises whatever ended the session (EOF after quit or kill).
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._qmp.disconnect(), 2.0)
+
+
+def _state_paths(dest: Path) -> tuple[Path, Path]:
+    """Create ``dest`` and name the snapshot's final and in-progress state files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    return dest / STATE_FILE, dest / f".{STATE_FILE}.{secrets.token_hex(4)}.partial"
+
+
+def _read_proc_usage(pid: int) -> tuple[int, int, float]:
+    """(RSS bytes, PSS bytes, CPU seconds) of ``pid`` from /proc."""
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields: dict[str, int] = {}
+    for line in rollup.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            fields[key] = int(parts[0]) * 1024
+    # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    after_comm = stat[stat.rindex(")") + 2 :].split()
+    ticks = int(after_comm[11]) + int(after_comm[12])
+    return fields.get("Rss", 0), fields.get("Pss", 0), ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def _execute(
+    qmp: Any,
+    process: VMMProcess,
+    command: str,
+    arguments: Mapping[str, object] | None,
+    limit_s: float,
+) -> Any:
+    if not process.alive():
+        raise VMMGone(f"QEMU process {process.pid} has exited")
+    try:
+        return await asyncio.wait_for(qmp.execute(command, arguments), limit_s)
+    except ExecuteError as exc:
+        raise VMMCommandError(f"QMP {command} failed: {exc}") from exc
+    except TimeoutError as exc:
+        raise VMMCommandError(f"QMP {command} got no answer within {limit_s}s") from exc
+    except (QMPError, OSError, EOFError) as exc:
+        # A broken connection usually means the process died: give its exit a moment to
+        # be noticed so callers get VMMGone rather than a generic error.
+        await process.wait(0.2)
+        if not process.alive():
+            raise VMMGone(f"QEMU process {process.pid} exited during {command}") from exc
+        raise VMMCommandError(f"QMP {command} failed: {exc!r}") from exc
+
+
+async def _pass_fd(qmp: Any, process: VMMProcess, fd: int, name: str, limit_s: float) -> None:
+    """Hand ``fd`` to QEMU under ``name`` (SCM_RIGHTS, then ``getfd``)."""
+    if not process.alive():
+        raise VMMGone(f"QEMU process {process.pid} has exited")
+    try:
+        qmp.send_fd_scm(fd)
+    except (QMPError, OSError) as exc:
+        raise VMMCommandError(f"passing a file descriptor to QEMU failed: {exc!r}") from exc
+    await _execute(qmp, process, "getfd", {"fdname": name}, limit_s)
+
+
+async def _await_migration(
+    qmp: Any, process: VMMProcess, limit_s: float, command_limit_s: float
+) -> None:
+    """Poll ``query-migrate`` until the migration completes (or fails)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    interval = 0.001
+    while True:
+        info = await _execute(qmp, process, "query-migrate", None, command_limit_s)
+        status = info.get("status")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled"):
+            detail = info.get("error-desc", "no error description")
+            raise VMMCommandError(f"migration {status}: {detail}")
+        if loop.time() > deadline:
+            raise VMMCommandError(f"migration did not complete within {limit_s}s ({status})")
+        await asyncio.sleep(interval)
+        interval = min(interval * 2, 0.05)
+
+
+class QemuDriver(VMMDriver):
+    """Starts ``qemu-system-x86_64 -M microvm`` processes."""
+
+    name = "qemu"
+
+    def __init__(
+        self,
+        qemu_binary: str = "qemu-system-x86_64",
+        tb_size_mib: int = 64,
+        *,
+        connect_timeout: float = 10.0,
+        command_timeout: float = 30.0,
+        migration_timeout: float = 300.0,
+    ) -> None:
+        self.qemu_binary = qemu_binary
+        self.tb_size_mib = tb_size_mib
+        self.connect_timeout = connect_timeout
+        self.command_timeout = command_timeout
+        self.migration_timeout = migration_timeout
+
+    # -- command line ----------------------------------------------------------------------
+
+    def build_argv(self, spec: MachineSpec, workdir: Path, *, incoming: bool = False) -> list[str]:
+        """The QEMU command line for ``spec``. Boot and restore differ only in the trailing
+        ``-S -incoming defer``: migration needs an identical device set on both ends."""
+        mem = f"{spec.memory_mib}M"
+        share = "on" if spec.memory_shared else "off"
+        argv = [
+            self.qemu_binary,
+            "-M", f"{MACHINE_TYPE},memory-backend=mem0",
+        ]  # fmt: skip
+        if spec.accel == "kvm":
+            # arch-capabilities: PVM's /dev/kvm rejects MSR 0x10a (reference §9.8).
+            argv += ["-accel", "kvm", "-cpu", "host,-arch-capabilities"]
+        else:
+            argv += ["-accel", f"tcg,tb-size={self.tb_size_mib}", "-cpu", "max"]
+        argv += [
+            "-smp", str(spec.vcpus),
+            "-m", mem,
+            "-object",
+            f"memory-backend-file,id=mem0,size={mem},mem-path={_opt_path(spec.memory_file)},"
+            f"share={share}",
+            "-nodefaults", "-no-user-config", "-display", "none",
+            "-kernel", str(spec.kernel),
+        ]  # fmt: skip
+        if spec.initrd is not None:
+            argv += ["-initrd", str(spec.initrd)]
+        argv += ["-append", spec.cmdline]
+        for drive in spec.drives:
+            opts = f"id={drive.drive_id},file={_opt_path(drive.path)},format={drive.fmt},if=none"
+            if drive.read_only:
+                opts += ",readonly=on"
+            argv += ["-drive", opts, "-device", f"virtio-blk-device,drive={drive.drive_id}"]
+        if spec.net is not None:
+            argv += [
+                "-netdev", f"tap,id=n0,ifname={spec.net.tap},script=no,downscript=no",
+                "-device", f"virtio-net-device,netdev=n0,mac={spec.net.mac}",
+            ]  # fmt: skip
+        argv += [
+            "-device", "virtio-balloon-device",
+            "-chardev", f"file,id=console,path={_opt_path(workdir / CONSOLE_LOG)}",
+            "-serial", "chardev:console",
+            "-qmp", f"unix:{_opt_path(workdir / QMP_SOCKET)},server=on,wait=off",
+            "-pidfile", str(workdir / PID_FILE),
+        ]  # fmt: skip
+        if incoming:
+            # -S keeps the guest paused after the incoming migration whatever run state
+            # the source recorded; restore() decides whether to continue.
+            argv += ["-S", "-incoming", "defer"]
+        return argv
+
+    def _process_argv(self, spec: MachineSpec, qemu_argv: list[str]) -> list[str]:
+        if spec.net is None or spec.net.netns is None:
+            return qemu_argv
+        # nsenter switches only the network namespace and then execs QEMU (same pid).
+        # `ip netns exec` would also put QEMU in a private mount namespace with its own
+        # /sys, so paths mounted on the host later (snapshot destinations) could differ.
+        return ["nsenter", f"--net=/run/netns/{spec.net.netns}", "--", *qemu_argv]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def boot(self, spec: MachineSpec, workdir: Path) -> QemuVM:
+        launch = await self._launch(spec, workdir, incoming=False)
+        return self._handle(spec, workdir, launch, VMRunState.RUNNING)
+
+    async def restore(
+        self,
+        spec: MachineSpec,
+        snapshot: SnapshotFiles,
+        workdir: Path,
+        *,
+        resume: bool = True,
+    ) -> QemuVM:
+        snapshot.check_compatible(self.name, spec)
+        if not snapshot.state_file.is_file():
+            raise SnapshotIncompatible(f"state file {snapshot.state_file} does not exist")
+        if snapshot.memory_file is not None:
+            # RAM is not in the stream: the spec's memory file must hold it.
+            size = spec.memory_file.stat().st_size if spec.memory_file.exists() else 0
+            if size < spec.memory_mib * 1024 * 1024:
+                raise SnapshotIncompatible(
+                    f"memory file {spec.memory_file} ({size} bytes) cannot hold the "
+                    f"snapshot's {spec.memory_mib} MiB of RAM"
+                )
+        launch = await self._launch(spec, workdir, incoming=True)
+        process, qmp = launch.process, launch.qmp
+        timeout = self.command_timeout
+        try:
+            await _execute(
+                qmp,
+                process,
+                "migrate-set-capabilities",
+                {
+                    "capabilities": [
+                        {"capability": "x-ignore-shared", "state": snapshot.memory_file is not None}
+                    ]
+                },
+                timeout,
+            )
+            fd = os.open(snapshot.state_file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await _pass_fd(qmp, process, fd, "agentenv-restore", timeout)
+            finally:
+                os.close(fd)
+            await _execute(
+                qmp, process, "migrate-incoming", {"uri": "fd:agentenv-restore"}, timeout
+            )
+            await _await_migration(qmp, process, self.migration_timeout, timeout)
+            if resume:
+                await _execute(qmp, process, "cont", None, timeout)
+        except BaseException as exc:
+            await self._abandon(process, qmp)
+            if not isinstance(exc, Exception):
+                raise
+            raise VMMStartError(
+                f"restoring {snapshot.state_file} failed: {exc}\n{_logs_tail(workdir)}"
+            ) from exc
+        state = VMRunState.RUNNING if resume else VMRunState.PAUSED
+        return self._handle(spec, workdir, launch, state)
+
+    async def attach(self, workdir: Path) -> QemuVM:
+        try:
+            record = json.loads((workdir / VM_RECORD).read_text())
+            pid = int(record["pid"])
+            argv = list(record["argv"])
+            spec = _spec_from_dict(record["spec"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise VMMGone(f"no usable {VM_RECORD} in {workdir}: {exc}") from exc
+        if read_cmdline(pid) != argv:
+            raise VMMGone(f"process {pid} from {workdir} is gone (or is no longer our QEMU)")
+        try:
+            process = VMMProcess.adopt(pid)
+        except ProcessLookupError as exc:
+            raise VMMGone(f"process {pid} from {workdir} is gone") from exc
+        try:
+            qmp = await self._connect_qmp(process, workdir / QMP_SOCKET)
+        except VMMStartError as exc:
+            gone = not process.alive()
+            process.detach()
+            if gone:
+                raise VMMGone(str(exc)) from exc
+            # Alive but unreachable (perhaps another server holds the monitor): leave it
+            # alone rather than kill a VM someone else may be managing.
+            raise VMMCommandError(f"cannot reach QMP of process {pid}: {exc}") from exc
+        try:
+            status = await _execute(qmp, process, "query-status", None, self.command_timeout)
+        except VMMError:
+            process.detach()
+            with contextlib.suppress(Exception):
+                await qmp.disconnect()
+            raise
+        state = VMRunState.RUNNING if status.get("running") else VMRunState.PAUSED
+        launch = _Launch(process=process, qmp=qmp)
+        return self._handle(spec, workdir, launch, state)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _handle(
+        self, spec: MachineSpec, workdir: Path, launch: _Launch, state: VMRunState
+    ) -> QemuVM:
+        return QemuVM(
+            spec=spec,
+            workdir=workdir,
+            process=launch.process,
+            qmp=launch.qmp,
+            state=state,
+            command_timeout=self.command_timeout,
+            migration_timeout=self.migration_timeout,
+        )
+
+    async def _launch(self, spec: MachineSpec, workdir: Path, *, incoming: bool) -> _Launch:
+        _prepare_workdir(spec, workdir)
+        qemu_argv = self.build_argv(spec, workdir, incoming=incoming)
+        try:
+            process = VMMProcess.spawn(
+                self._process_argv(spec, qemu_argv), log_path=workdir / PROCESS_LOG, cwd=workdir
+            )
+        except OSError as exc:
+            raise VMMStartError(f"cannot start {qemu_argv[0]}: {exc}") from exc
+        try:
+            self._write_record(workdir, process.pid, qemu_argv, spec)
+            qmp = await self._connect_qmp(process, workdir / QMP_SOCKET)
+        except BaseException as exc:
+            await self._abandon(process, None)
+            if not isinstance(exc, Exception):
+                raise
+            raise VMMStartError(f"QEMU did not come up: {exc}\n{_logs_tail(workdir)}") from exc
+        return _Launch(process=process, qmp=qmp)
+
+    @staticmethod
+    def _write_record(workdir: Path, pid: int, argv: list[str], spec: MachineSpec) -> None:
+        record = {
+            "driver": QemuDriver.name,
+            "pid": pid,
+            "argv": argv,
+            "qmp_socket": str(workdir / QMP_SOCKET),
+            "spec": _spec_to_dict(spec),
+        }
+        tmp = workdir / f".{VM_RECORD}.tmp"
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, workdir / VM_RECORD)
+
+    async def _connect_qmp(self, process: VMMProcess, socket_path: Path) -> Any:
+        """Connect once the socket appears (25 to 50 ms after start on an idle host)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        last_error: Exception | None = None
+        while True:
+            if not process.alive():
+                raise VMMStartError(f"QEMU exited (status {process.returncode}) before QMP")
+            # Only try once QEMU has created the socket: every failed connect is logged
+            # as an error by qemu.qmp.
+            if socket_path.exists():
+                qmp = QMPClient(f"agentenv-{process.pid}")
+                try:
+                    # A QMP monitor serves one client at a time; a second one is accepted
+                    # but gets no greeting, hence the timeout.
+                    await asyncio.wait_for(qmp.connect(str(socket_path)), 2.0)
+                    return qmp
+                except (ConnectError, TimeoutError, OSError) as exc:
+                    last_error = exc
+                    with contextlib.suppress(Exception):
+                        await qmp.disconnect()
+            if loop.time() > deadline:
+                raise VMMStartError(
+                    f"QMP socket {socket_path} not usable within {self.connect_timeout}s"
+                    + (f": {last_error}" if last_error else "")
+                )
+            await asyncio.sleep(0.005)
+
+    @staticmethod
+    async def _abandon(process: VMMProcess, qmp: Any) -> None:
+        """Roll back a start that failed part-way: nothing may be left running."""
+        await process.kill()
+        if qmp is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(qmp.disconnect(), 2.0)

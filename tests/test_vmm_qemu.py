@@ -1,0 +1,723 @@
+"""QEMU microvm driver and accelerator probe.
+
+The VM tests use a tiny throwaway guest built once and cached under
+/var/cache/agentenv/test-guest/: Debian's cloud kernel as an uncompressed ELF vmlinux, an
+initramfs that loads the virtio modules and switches to /dev/vda, and a 64 MiB busybox
+rootfs whose init prints ``READY <token> <counter> <tag>`` on the serial console every
+second. ``token`` is drawn at boot and held in the guest's RAM, ``counter`` advances in
+RAM, and ``tag`` is read (O_DIRECT) from a second, tiny drive on every line, so a console
+log shows which boot a restored VM descends from, that it continued rather than rebooted,
+and which drive set it runs with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import pytest_asyncio
+
+from agentenv.vmm.accel import AcceleratorUnavailable, probe_accelerator, resolve_accelerator
+from agentenv.vmm.base import (
+    DriveSpec,
+    MachineSpec,
+    NetSpec,
+    SnapshotFiles,
+    SnapshotIncompatible,
+    VMMCommandError,
+    VMMGone,
+    VMMStartError,
+    VMRunState,
+)
+from agentenv.vmm.process import read_cmdline
+from agentenv.vmm.qemu import QemuDriver, QemuVM
+
+# -- accelerator probe (pure logic over a fake root) -------------------------------------
+
+
+def _fake_root(
+    tmp_path: Path,
+    *,
+    kvm: str = "file",
+    modules: tuple[str, ...] = (),
+    flags: str = "fpu sse2",
+) -> Path:
+    root = tmp_path / "root"
+    (root / "dev").mkdir(parents=True)
+    (root / "proc").mkdir()
+    (root / "sys" / "module").mkdir(parents=True)
+    if kvm == "file":
+        (root / "dev" / "kvm").write_bytes(b"")
+    elif kvm == "unopenable":
+        (root / "dev" / "kvm").mkdir()  # exists, but open(O_RDWR) fails (EISDIR)
+    for module in modules:
+        (root / "sys" / "module" / module).mkdir()
+    (root / "proc" / "cpuinfo").write_text(
+        f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    )
+    return root
+
+
+def test_probe_no_kvm_device_is_tcg(tmp_path: Path) -> None:
+    probe = probe_accelerator(_fake_root(tmp_path, kvm="absent", modules=("kvm_intel",)))
+    assert probe.accel == "tcg"
+    assert "does not exist" in probe.reason
+
+
+def test_probe_unopenable_kvm_is_tcg(tmp_path: Path) -> None:
+    root = _fake_root(tmp_path, kvm="unopenable", modules=("kvm_intel",), flags="vmx")
+    probe = probe_accelerator(root)
+    assert probe.accel == "tcg"
+    assert "cannot be opened" in probe.reason
+
+
+def test_probe_pvm_is_tcg_even_with_flags(tmp_path: Path) -> None:
+    root = _fake_root(tmp_path, modules=("kvm", "kvm_pvm", "kvm_intel"), flags="vmx")
+    probe = probe_accelerator(root)
+    assert probe.accel == "tcg"
+    assert "PVM" in probe.reason
+
+
+@pytest.mark.parametrize(("module", "flag"), [("kvm_intel", "vmx"), ("kvm_amd", "svm")])
+def test_probe_hardware_kvm(tmp_path: Path, module: str, flag: str) -> None:
+    probe = probe_accelerator(_fake_root(tmp_path, modules=("kvm", module), flags=f"fpu {flag}"))
+    assert probe.accel == "kvm"
+    assert module in probe.reason
+
+
+def test_probe_module_without_cpu_flag_is_tcg(tmp_path: Path) -> None:
+    assert probe_accelerator(_fake_root(tmp_path, modules=("kvm_amd",))).accel == "tcg"
+
+
+def test_resolve_explicit_settings(tmp_path: Path) -> None:
+    pvm_root = _fake_root(tmp_path, modules=("kvm_pvm",))
+    assert resolve_accelerator("auto", pvm_root).accel == "tcg"
+    # An explicit choice wins over the probe (a PVM guest kernel could run under kvm_pvm).
+    assert resolve_accelerator("kvm", pvm_root).accel == "kvm"
+    assert resolve_accelerator("tcg", pvm_root).accel == "tcg"
+
+
+def test_resolve_kvm_without_device_fails(tmp_path: Path) -> None:
+    with pytest.raises(AcceleratorUnavailable, match="does not exist"):
+        resolve_accelerator("kvm", _fake_root(tmp_path, kvm="absent"))
+
+
+def test_resolve_rejects_unknown_setting(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        resolve_accelerator("hvf", _fake_root(tmp_path))
+
+
+# -- command line (no VM) ----------------------------------------------------------------
+
+
+def _plain_spec(tmp_path: Path, **changes: object) -> MachineSpec:
+    kernel = tmp_path / "vmlinux"
+    kernel.write_bytes(b"\0")
+    disk = tmp_path / "disk,1.raw"
+    disk.write_bytes(b"\0" * 512)
+    spec = MachineSpec(
+        vcpus=2,
+        memory_mib=256,
+        kernel=kernel,
+        cmdline="console=ttyS0",
+        drives=(DriveSpec("root", disk), DriveSpec("tools", disk, read_only=True, fmt="qcow2")),
+        memory_file=tmp_path / "ram",
+        memory_shared=True,
+        accel="tcg",
+    )
+    return replace(spec, **changes)  # type: ignore[arg-type]
+
+
+def test_argv_tcg_boot(tmp_path: Path) -> None:
+    spec = _plain_spec(tmp_path)
+    argv = QemuDriver(tb_size_mib=32).build_argv(spec, tmp_path / "w")
+    line = " ".join(argv)
+    assert argv[0] == "qemu-system-x86_64"
+    assert "-M microvm,memory-backend=mem0" in line
+    assert "-accel tcg,tb-size=32 -cpu max" in line
+    assert "-smp 2 -m 256M" in line
+    assert f"mem-path={tmp_path}/ram,share=on" in line
+    # Commas in paths are doubled so they cannot start a new option.
+    assert f"id=root,file={tmp_path}/disk,,1.raw,format=raw,if=none -device" in line
+    assert "id=tools,file=" in line and "format=qcow2,if=none,readonly=on" in line
+    assert line.index("drive=root") < line.index("drive=tools")
+    assert "-device virtio-balloon-device" in line
+    assert "-incoming" not in argv and "-S" not in argv
+
+
+def test_argv_kvm_restore_and_private_ram(tmp_path: Path) -> None:
+    spec = _plain_spec(tmp_path, accel="kvm", memory_shared=False)
+    driver = QemuDriver()
+    boot = driver.build_argv(spec, tmp_path / "w")
+    restore = driver.build_argv(spec, tmp_path / "w", incoming=True)
+    assert "-accel kvm -cpu host,-arch-capabilities" in " ".join(boot)
+    assert "share=off" in " ".join(boot)
+    # Restore differs from boot only by the trailing incoming options.
+    assert restore == [*boot, "-S", "-incoming", "defer"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"vcpus": 0}, "vcpus"),
+        ({"kernel": Path("/nonexistent/vmlinux")}, "kernel"),
+        ({"drives": (DriveSpec("bad,id", Path("/dev/null")),)}, "drive id"),
+        ({"drives": (DriveSpec("root", Path("/nonexistent")),)}, "does not exist"),
+    ],
+)
+async def test_boot_rejects_bad_spec(
+    tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    spec = _plain_spec(tmp_path, **changes)
+    with pytest.raises(VMMStartError, match=message):
+        await QemuDriver().boot(spec, tmp_path / "w")
+
+
+async def test_boot_failure_leaves_no_process(tmp_path: Path) -> None:
+    # A kernel QEMU cannot load: QEMU exits at once, and the error carries its stderr.
+    spec = _plain_spec(tmp_path)
+    with pytest.raises(VMMStartError, match=r"qemu\.log"):
+        await QemuDriver().boot(spec, tmp_path / "w")
+    record = tmp_path / "w" / "vm.json"
+    assert record.exists()
+    pid = int(json.loads(record.read_text())["pid"])
+    assert read_cmdline(pid) == []
+
+
+async def test_attach_without_record_is_gone(tmp_path: Path) -> None:
+    with pytest.raises(VMMGone):
+        await QemuDriver().attach(tmp_path)
+
+
+async def test_restore_rejects_other_driver_and_accel(tmp_path: Path) -> None:
+    spec = _plain_spec(tmp_path)
+    state = tmp_path / "state.mig"
+    state.write_bytes(b"x")
+    snap = SnapshotFiles("qemu", "kvm", state, None, spec.shape())
+    with pytest.raises(SnapshotIncompatible, match="accel"):
+        await QemuDriver().restore(spec, snap, tmp_path / "w")
+    with pytest.raises(SnapshotIncompatible, match="firecracker"):
+        await QemuDriver().restore(spec, replace(snap, driver="firecracker"), tmp_path / "w")
+
+
+# -- throwaway test guest ------------------------------------------------------------------
+
+GUEST_CACHE = Path("/var/cache/agentenv/test-guest")
+KERNEL_PACKAGE = "linux-image-cloud-amd64"
+# Load order matters: virtio_ring before virtio (reference §3.1).
+INITRD_MODULES = (
+    "drivers/virtio/virtio_ring",
+    "drivers/virtio/virtio",
+    "drivers/virtio/virtio_mmio",
+    "drivers/block/virtio_blk",
+    "net/core/failover",
+    "drivers/net/net_failover",
+    "drivers/net/virtio_net",
+    "drivers/virtio/virtio_balloon",
+)
+INITRD_INIT = """#!/bin/sh
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in {modules}; do insmod /lib/modules/$m.ko; done
+i=0
+while [ ! -b /dev/vda ] && [ $i -lt 300 ]; do sleep 0.01; i=$((i+1)); done
+mkdir -p /newroot
+mount -t ext4 -o rw /dev/vda /newroot || {{ echo "INITRD: cannot mount /dev/vda"; exec sh; }}
+umount /proc /sys
+mount --move /dev /newroot/dev
+exec switch_root /newroot /sbin/init
+"""
+ROOTFS_INIT = """#!/bin/sh
+# test guest v2
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+token=$(head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \\n')
+n=0
+while true; do
+  tag=$(dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | tr -dc 'A-Za-z0-9_-')
+  echo "READY $token $n $tag"
+  n=$((n+1))
+  sleep 1
+done
+"""
+
+
+@dataclass(frozen=True)
+class GuestFiles:
+    kernel: Path
+    initrd: Path
+    rootfs: Path
+    cmdline: str
+
+
+def _host_tsc_khz() -> int:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("cpu MHz"):
+            return int(float(line.split(":")[1]) * 1000)
+    raise RuntimeError("no 'cpu MHz' in /proc/cpuinfo")
+
+
+def _run(*argv: str, cwd: Path | None = None) -> None:
+    subprocess.run(argv, cwd=cwd, check=True, capture_output=True)
+
+
+def _extract_vmlinux(vmlinuz: Path, out: Path) -> None:
+    # The cloud kernel is LZ4-compressed (legacy frame); the ELF boots faster under TCG.
+    blob = vmlinuz.read_bytes()
+    start = blob.find(b"\x02\x21\x4c\x18")
+    if start < 0:
+        raise RuntimeError(f"no LZ4 frame in {vmlinuz}")
+    with open(out, "wb") as f:
+        subprocess.run(["lz4", "-dc"], input=blob[start:], stdout=f, check=False)
+    if out.read_bytes()[:4] != b"\x7fELF":
+        raise RuntimeError(f"{out} is not an ELF image")
+
+
+def _build_test_guest(dest: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=dest) as scratch_name:
+        scratch = Path(scratch_name)
+        _run("apt-get", "download", KERNEL_PACKAGE, cwd=scratch)
+        meta = next(scratch.glob(f"{KERNEL_PACKAGE}_*.deb"))
+        depends = subprocess.run(
+            ["dpkg-deb", "-f", str(meta), "Depends"], capture_output=True, text=True, check=True
+        ).stdout
+        image_package = re.search(r"linux-image-[0-9][^\s,]*", depends)
+        assert image_package, depends
+        _run("apt-get", "download", image_package.group(0), cwd=scratch)
+        deb = next(scratch.glob(f"{image_package.group(0)}_*.deb"))
+        pkg = scratch / "pkg"
+        _run("dpkg-deb", "-x", str(deb), str(pkg))
+        vmlinuz = next((pkg / "boot").glob("vmlinuz-*"))
+        release = vmlinuz.name.removeprefix("vmlinuz-")
+        _extract_vmlinux(vmlinuz, scratch / "vmlinux")
+
+        busybox = Path("/usr/bin/busybox")
+        initrd_root = scratch / "initrd"
+        for sub in ("bin", "dev", "proc", "sys", "newroot", "lib/modules"):
+            (initrd_root / sub).mkdir(parents=True)
+        shutil.copy(busybox, initrd_root / "bin" / "busybox")
+        for applet in ("sh", "mount", "umount", "insmod", "switch_root", "mkdir", "sleep"):
+            (initrd_root / "bin" / applet).symlink_to("busybox")
+        names = []
+        for module in INITRD_MODULES:
+            name = module.rsplit("/", 1)[1]
+            src = pkg / "lib" / "modules" / release / "kernel" / f"{module}.ko"
+            shutil.copy(src, initrd_root / "lib" / "modules" / f"{name}.ko")
+            names.append(name)
+        init = initrd_root / "init"
+        init.write_text(INITRD_INIT.format(modules=" ".join(names)))
+        init.chmod(0o755)
+        files = subprocess.run(
+            ["find", "."], cwd=initrd_root, capture_output=True, check=True
+        ).stdout
+        cpio = subprocess.run(
+            ["cpio", "-o", "-H", "newc", "--quiet"],
+            cwd=initrd_root,
+            input=files,
+            capture_output=True,
+            check=True,
+        ).stdout
+        (scratch / "initrd.cpio.gz").write_bytes(
+            subprocess.run(["gzip", "-1"], input=cpio, capture_output=True, check=True).stdout
+        )
+
+        rootfs_root = scratch / "rootfs"
+        for sub in ("bin", "sbin", "dev", "proc", "sys", "tmp", "etc"):
+            (rootfs_root / sub).mkdir(parents=True)
+        shutil.copy(busybox, rootfs_root / "bin" / "busybox")
+        applets = subprocess.run(
+            [str(busybox), "--list"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for applet in applets:
+            if applet not in ("busybox", "init"):
+                (rootfs_root / "bin" / applet).symlink_to("busybox")
+        (rootfs_root / "etc" / "passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
+        init = rootfs_root / "sbin" / "init"
+        init.write_text(ROOTFS_INIT)
+        init.chmod(0o755)
+        _run(
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            "root",
+            "-d",
+            str(rootfs_root),
+            str(scratch / "rootfs.ext4"),
+            "64M",
+        )
+
+        for name in ("vmlinux", "initrd.cpio.gz", "rootfs.ext4"):
+            os.replace(scratch / name, dest / name)
+
+
+@pytest.fixture(scope="session")
+def guest_files() -> GuestFiles:
+    version = hashlib.sha256((INITRD_INIT + ROOTFS_INIT + repr(INITRD_MODULES)).encode())
+    dest = GUEST_CACHE / version.hexdigest()[:12]
+    dest.mkdir(parents=True, exist_ok=True)
+    with open(dest / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "rootfs.ext4").exists():
+            _build_test_guest(dest)
+    cmdline = (
+        f"console=ttyS0 root=/dev/vda rw quiet tsc_early_khz={_host_tsc_khz()} random.trust_cpu=on"
+    )
+    return GuestFiles(dest / "vmlinux", dest / "initrd.cpio.gz", dest / "rootfs.ext4", cmdline)
+
+
+# -- VM tests: one boot per module, reused ------------------------------------------------
+
+READY_LINE = re.compile(r"READY ([0-9a-f]+) (\d+) (\S*)")
+
+
+_Test = TypeVar("_Test", bound=Callable[..., Awaitable[None]])
+
+
+def vm_test(fn: _Test) -> _Test:
+    """A test that boots (or uses) real VMs, sharing the module's event loop and VM."""
+    marked: _Test = pytest.mark.vm(pytest.mark.asyncio(loop_scope="module")(fn))
+    return marked
+
+
+def _ready_lines(console: Path) -> list[tuple[str, int, str]]:
+    text = console.read_text(errors="replace") if console.exists() else ""
+    return [(m[1], int(m[2]), m[3]) for m in READY_LINE.finditer(text)]
+
+
+async def _wait_lines(
+    console: Path, count: int, limit_s: float = 90.0
+) -> list[tuple[str, int, str]]:
+    """Wait until the console holds at least ``count`` READY lines (a liveness bound,
+    generous because TCG boots slowly on a loaded host; never a performance assertion)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        lines = _ready_lines(console)
+        if len(lines) >= count:
+            return lines
+        if time.monotonic() > deadline:
+            tail = console.read_text(errors="replace")[-1500:] if console.exists() else ""
+            raise AssertionError(f"{count} READY lines not seen on {console}:\n{tail}")
+        await asyncio.sleep(0.05)
+
+
+def _tag_drive(path: Path, tag: str) -> Path:
+    path.write_bytes(tag.encode().ljust(512, b"\0"))
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class Lab:
+    """The module's VMs and files (mutable: tests hand results to later tests)."""
+
+    guest: GuestFiles
+    root: Path
+    driver: QemuDriver
+    spec: MachineSpec
+    vm: QemuVM
+    shared_snapshot: SnapshotFiles | None = None
+    private_child: QemuVM | None = None
+    private_child_spec: MachineSpec | None = None
+
+    def child_spec(self, name: str, tag: str, memory_file: Path, shared: bool) -> MachineSpec:
+        rootfs = self.root / f"{name}.ext4"
+        subprocess.run(
+            ["cp", "--sparse=always", str(self.spec.drives[0].path), str(rootfs)], check=True
+        )
+        return replace(
+            self.spec,
+            drives=(
+                DriveSpec("root", rootfs),
+                DriveSpec("tag", _tag_drive(self.root / f"{name}.tag", tag), read_only=True),
+            ),
+            memory_file=memory_file,
+            memory_shared=shared,
+        )
+
+
+def _our_qemu_pids(root: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and any(str(root) in arg for arg in read_cmdline(int(entry.name))):
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def lab(
+    guest_files: GuestFiles, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Lab]:
+    root = tmp_path_factory.mktemp("qemu-lab")
+    rootfs = root / "source.ext4"
+    shutil.copy(guest_files.rootfs, rootfs)
+    spec = MachineSpec(
+        vcpus=1,
+        memory_mib=256,
+        kernel=guest_files.kernel,
+        initrd=guest_files.initrd,
+        cmdline=guest_files.cmdline,
+        drives=(
+            DriveSpec("root", rootfs),
+            DriveSpec("tag", _tag_drive(root / "source.tag", "SOURCE"), read_only=True),
+        ),
+        memory_file=root / "source.ram",
+        memory_shared=True,
+        accel="tcg",
+    )
+    driver = QemuDriver()
+    vm = await driver.boot(spec, root / "source")
+    lab = Lab(guest=guest_files, root=root, driver=driver, spec=spec, vm=vm)
+    try:
+        yield lab
+    finally:
+        # Nothing may outlive the module, whatever failed.
+        for pid in _our_qemu_pids(root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for handle in (lab.vm, lab.private_child):
+            if handle is not None:
+                await handle.kill()
+
+
+@vm_test
+async def test_boot_reaches_ready_and_reports_stats(lab: Lab) -> None:
+    _, _, tag = (await _wait_lines(lab.vm.console_log, 1))[0]
+    assert tag == "SOURCE"
+    assert lab.vm.state is VMRunState.RUNNING
+    assert read_cmdline(lab.vm.pid)[0] == "qemu-system-x86_64"
+    stats = await lab.vm.stats()
+    assert stats.pid == lab.vm.pid
+    assert stats.state is VMRunState.RUNNING
+    assert stats.rss_bytes > 16 * 1024 * 1024
+    assert 0 < stats.pss_bytes <= stats.rss_bytes
+    assert stats.cpu_seconds > 0
+
+
+@vm_test
+async def test_pause_and_resume(lab: Lab) -> None:
+    vm = lab.vm
+    await _wait_lines(vm.console_log, 1)
+    await vm.pause()
+    assert vm.state is VMRunState.PAUSED
+    assert (await vm.execute("query-status"))["running"] is False
+    seen = len(_ready_lines(vm.console_log))
+    await asyncio.sleep(2.5)  # the guest prints every second when it runs
+    assert len(_ready_lines(vm.console_log)) == seen
+    await vm.resume()
+    assert vm.state is VMRunState.RUNNING
+    lines = await _wait_lines(vm.console_log, seen + 1)
+    assert [n for _, n, _ in lines] == list(range(len(lines)))
+
+
+@vm_test
+async def test_attach_after_dropping_handle(lab: Lab) -> None:
+    pid = lab.vm.pid
+    await lab.vm.close()
+    assert read_cmdline(pid)[0] == "qemu-system-x86_64"  # close() leaves the VM running
+    vm = await lab.driver.attach(lab.vm.workdir)
+    lab.vm = vm
+    assert vm.pid == pid
+    assert vm.state is VMRunState.RUNNING
+    assert vm.spec == lab.spec
+    seen = len(_ready_lines(vm.console_log))
+    await _wait_lines(vm.console_log, seen + 1)
+
+
+@vm_test
+async def test_save_shared_ram_then_fork_private_copies(lab: Lab) -> None:
+    source = lab.vm
+    await _wait_lines(source.console_log, 2)
+    snapshot = await source.save_state(lab.root / "snap-shared")
+    lab.shared_snapshot = snapshot
+    assert source.state is VMRunState.PAUSED
+    assert snapshot.driver == "qemu" and snapshot.accel == "tcg"
+    assert snapshot.memory_file == lab.spec.memory_file
+    assert snapshot.state_file == lab.root / "snap-shared" / "state.mig"
+    # Device state only: guest RAM stayed in the memory file.
+    assert 0 < snapshot.state_file.stat().st_size < 1024 * 1024
+    assert sorted(p.name for p in snapshot.state_file.parent.iterdir()) == ["state.mig"]
+    assert snapshot.meta["qemu_version"].startswith("7.")
+    assert SnapshotFiles.from_json(snapshot.to_json()) == snapshot
+
+    saved = _ready_lines(source.console_log)
+    token, last, _ = saved[-1]
+    ram_digest = _sha256(snapshot.memory_file)
+
+    # Two children map the saved RAM file privately (copy-on-write), straight from
+    # where the source left it; each gets its own disk copy and tag drive.
+    children = []
+    for name, tag in (("child-a", "CHILDA"), ("child-b", "CHILDB")):
+        spec = lab.child_spec(name, tag, snapshot.memory_file, shared=False)
+        resume = name == "child-a"
+        child = await lab.driver.restore(spec, snapshot, lab.root / name, resume=resume)
+        children.append((child, spec, tag))
+    child_a, child_b = children[0][0], children[1][0]
+    assert child_b.state is VMRunState.PAUSED
+    await asyncio.sleep(1.5)
+    assert _ready_lines(child_b.console_log) == []  # restored paused: nothing runs
+    await child_b.resume()
+
+    for child, _, tag in children:
+        lines = await _wait_lines(child.console_log, 3)
+        # Same boot (token), continued (not restarted) counter, own drive set.
+        assert [t for t, _, _ in lines] == [token] * len(lines)
+        assert [n for _, n, _ in lines] == list(range(last + 1, last + 1 + len(lines)))
+        assert {g for _, _, g in lines} == {tag}
+    # The children's writes to RAM stayed private: the snapshot's RAM file is untouched.
+    assert _sha256(snapshot.memory_file) == ram_digest
+    assert child_a.pid != child_b.pid
+
+    await child_b.stop()
+    assert child_b.state is VMRunState.STOPPED
+    assert read_cmdline(child_b.pid) == []
+    lab.private_child, lab.private_child_spec = child_a, children[0][1]
+
+
+@vm_test
+async def test_restore_under_other_accel_is_incompatible(lab: Lab) -> None:
+    assert lab.shared_snapshot is not None
+    spec = replace(lab.spec, accel="kvm", memory_shared=False)
+    with pytest.raises(SnapshotIncompatible, match="accel"):
+        await lab.driver.restore(spec, lab.shared_snapshot, lab.root / "never")
+    assert not (lab.root / "never").exists()
+    other_shape = replace(lab.spec, memory_shared=False, memory_mib=512)
+    with pytest.raises(SnapshotIncompatible, match="shape"):
+        await lab.driver.restore(other_shape, lab.shared_snapshot, lab.root / "never")
+
+
+@vm_test
+async def test_restore_from_corrupt_state_leaves_nothing_running(lab: Lab) -> None:
+    assert lab.shared_snapshot is not None and lab.shared_snapshot.memory_file is not None
+    state = lab.shared_snapshot.state_file
+    corrupt = lab.root / "corrupt.mig"
+    corrupt.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    spec = lab.child_spec("corrupt", "CORRUPT", lab.shared_snapshot.memory_file, shared=False)
+    snapshot = replace(lab.shared_snapshot, state_file=corrupt)
+    with pytest.raises(VMMStartError, match="restoring"):
+        await lab.driver.restore(spec, snapshot, lab.root / "corrupt")
+    record = json.loads((lab.root / "corrupt" / "vm.json").read_text())
+    assert read_cmdline(record["pid"]) == []
+
+
+@vm_test
+async def test_full_save_of_private_ram_then_restore(lab: Lab) -> None:
+    child, spec = lab.private_child, lab.private_child_spec
+    assert child is not None and spec is not None
+    await _wait_lines(child.console_log, 4)
+    snapshot = await child.save_state(lab.root / "snap-full")
+    assert child.state is VMRunState.PAUSED
+    assert snapshot.memory_file is None  # RAM is inside the stream
+    assert snapshot.state_file.stat().st_size > 8 * 1024 * 1024
+    token, last, _ = _ready_lines(child.console_log)[-1]
+    await child.kill()
+    assert read_cmdline(child.pid) == []
+
+    # Any fresh file can back the restored RAM: it is filled from the stream.
+    restored_spec = replace(spec, memory_file=lab.root / "restored.ram")
+    restored = await lab.driver.restore(restored_spec, snapshot, lab.root / "restored")
+    try:
+        lines = await _wait_lines(restored.console_log, 2)
+        assert [t for t, _, _ in lines] == [token] * len(lines)
+        assert lines[0][1] == last + 1
+        assert {g for _, _, g in lines} == {"CHILDA"}
+    finally:
+        await restored.kill()
+
+
+@vm_test
+async def test_failed_save_rolls_back(lab: Lab) -> None:
+    vm = lab.vm
+    await vm.resume()
+    seen = len(_ready_lines(vm.console_log))
+    # A destination too small for even the device state makes the migration fail
+    # part-way (ENOSPC).
+    full = lab.root / "full"
+    full.mkdir()
+    _run("mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full))
+    try:
+        with pytest.raises(VMMCommandError, match="migration failed"):
+            await vm.save_state(full / "snap")
+        assert list((full / "snap").iterdir()) == []  # the partial file was removed
+    finally:
+        _run("umount", str(full))
+    # Rolled back: the VM runs on as before.
+    assert vm.state is VMRunState.RUNNING
+    assert (await vm.execute("query-status"))["running"] is True
+    await _wait_lines(vm.console_log, seen + 1)
+
+
+@vm_test
+async def test_kill_leaves_no_process(lab: Lab) -> None:
+    vm = lab.vm
+    pid = vm.pid
+    await vm.kill()
+    assert vm.state is VMRunState.STOPPED
+    assert read_cmdline(pid) == []
+    await vm.kill()  # idempotent
+    with pytest.raises(VMMGone):
+        await vm.stats()
+    with pytest.raises(VMMGone):
+        await vm.pause()
+    with pytest.raises(VMMGone):
+        await lab.driver.attach(vm.workdir)
+    assert _our_qemu_pids(lab.root) == []
+
+
+@vm_test
+async def test_boot_in_network_namespace(
+    guest_files: GuestFiles, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("qemu-netns")
+    netns = f"aeqt{os.getpid() % 100000}"
+    _run("ip", "netns", "add", netns)
+    vm: QemuVM | None = None
+    try:
+        _run("ip", "-n", netns, "tuntap", "add", "tap0", "mode", "tap")
+        rootfs = root / "root.ext4"
+        shutil.copy(guest_files.rootfs, rootfs)
+        spec = MachineSpec(
+            vcpus=1,
+            memory_mib=128,
+            kernel=guest_files.kernel,
+            initrd=guest_files.initrd,
+            cmdline=guest_files.cmdline,
+            drives=(DriveSpec("root", rootfs),),
+            memory_file=root / "ram",
+            memory_shared=False,
+            accel="tcg",
+            net=NetSpec(tap="tap0", mac="52:54:00:12:34:56", netns=netns),
+        )
+        vm = await QemuDriver().boot(spec, root / "vm")
+        # QEMU itself (same pid: nsenter execs it) runs in the namespace, on its tap.
+        assert read_cmdline(vm.pid)[0] == "qemu-system-x86_64"
+        assert os.stat(f"/proc/{vm.pid}/ns/net").st_ino == os.stat(f"/run/netns/{netns}").st_ino
+        info = await vm.execute("human-monitor-command", {"command-line": "info network"})
+        assert "ifname=tap0" in info and "52:54:00:12:34:56" in info
+    finally:
+        if vm is not None:
+            await vm.kill()
+        _run("ip", "netns", "delete", netns)
