@@ -19,7 +19,8 @@ from agentenv.config import Config, ConfigError
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.vmm.accel import resolve_accelerator
 from agentenv.vmm.base import VMMDriver
-from agentenv.vmm.firecracker import FirecrackerDriver, find_firecracker
+from agentenv.vmm.firecracker import FirecrackerDriver
+from agentenv.vmm.firecracker_binary import find_firecracker
 from agentenv.vmm.qemu import QemuDriver
 
 log = logging.getLogger("agentenv.server")
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Per-request and per-connection chatter from libraries drowns the sandbox lifecycle.
+    for noisy in ("httpx", "httpcore", "qemu.qmp"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     if os.geteuid() != 0:
         sys.exit("aenv-server: must run as root (it creates network namespaces, taps and VMs)")
     try:

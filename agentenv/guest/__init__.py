@@ -3,3 +3,23 @@ plus a self-contained Python runtime) and the base root filesystem, all built fr
 packages into a content-addressed cache, plus the computed kernel command line. It builds
 files; it never starts VMs or touches sandbox state.
 """
+
+from agentenv.guest.cmdline import kernel_cmdline
+from agentenv.guest.errors import GuestImageError, GuestImageMissing, HostToolMissing
+from agentenv.guest.image import (
+    GuestImage,
+    build_guest_image,
+    default_cache_dir,
+    load_guest_image,
+)
+
+__all__ = [
+    "GuestImage",
+    "GuestImageError",
+    "GuestImageMissing",
+    "HostToolMissing",
+    "build_guest_image",
+    "default_cache_dir",
+    "kernel_cmdline",
+    "load_guest_image",
+]

@@ -97,8 +97,9 @@ class SandboxProxy:
             host=view.guest_address,
             port=target.port,
             path=request.url.path,
-            query=request.url.query.encode(),
         )
+        if request.url.query:
+            url = url.copy_with(query=request.url.query.encode())
         has_body = request.method not in ("GET", "HEAD", "OPTIONS") or (
             "content-length" in request.headers or "transfer-encoding" in request.headers
         )
