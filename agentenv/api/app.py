@@ -163,7 +163,7 @@ def create_app(
             vmm=orchestrator.driver.name,
             accel=orchestrator.accel,
             templates=templates,
-            sandboxes=len(orchestrator.list()),
+            sandboxes=len(orchestrator.list_sandboxes()),
             detail=orchestrator.templates.last_error,
         )
 
@@ -211,7 +211,7 @@ def create_app(
         tags=["sandboxes"],
     )
     async def list_sandboxes_v1() -> list[SandboxDetail]:
-        return [detail_body(v) for v in orchestrator.list()]
+        return [detail_body(v) for v in orchestrator.list_sandboxes()]
 
     @app.get(
         "/v2/sandboxes",
@@ -227,7 +227,7 @@ def create_app(
         limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[SandboxDetail]:
-        views = orchestrator.list()
+        views = orchestrator.list_sandboxes()
         if state:
             wanted = {s.strip() for s in state.split(",") if s.strip()}
             unknown = wanted - {"running", "paused"}

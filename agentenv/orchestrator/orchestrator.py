@@ -84,7 +84,11 @@ class Orchestrator:
         self.network = network or NetworkManager(
             prefix=f"ae{config.instance_tag}", subnet=config.subnet
         )
-        self.http = httpx.AsyncClient(trust_env=False)
+        # No keep-alive: guest addresses are reused with network slots, so a pooled
+        # connection could outlive its sandbox and reach the next one.
+        self.http = httpx.AsyncClient(
+            trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
+        )
         self._vms: dict[str, VirtualMachine] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._reserved_slots: set[int] = set()
@@ -210,7 +214,7 @@ class Orchestrator:
             raise SandboxNotFound(sandbox_id)
         return self._view(rec)
 
-    def list(self) -> list[SandboxView]:
+    def list_sandboxes(self) -> list[SandboxView]:
         return [
             self._view(r) for r in self.store.list_sandboxes() if r.state in ("running", "paused")
         ]

@@ -8,6 +8,7 @@ uploads pass through as they are produced.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 
@@ -50,15 +51,36 @@ class ProxyTarget:
 class SandboxProxy:
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
-        # No overall timeout: streams (process output, file downloads) may run for long.
-        self._client = httpx.AsyncClient(
-            trust_env=False,
-            timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=None),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-        )
+        # One connection pool per sandbox: addresses are reused when a slot is reused, and
+        # a kept-alive connection to a killed sandbox must never carry a new one's traffic.
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _client_for(self, sandbox_id: str) -> httpx.AsyncClient:
+        client = self._clients.get(sandbox_id)
+        if client is None:
+            self._drop_stale_clients()
+            # No overall timeout: streams (process output, downloads) may run for long.
+            client = httpx.AsyncClient(
+                trust_env=False,
+                timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=None),
+                limits=httpx.Limits(max_connections=200, max_keepalive_connections=20),
+            )
+            self._clients[sandbox_id] = client
+        return client
+
+    def _drop_stale_clients(self) -> None:
+        live = {v.sandbox_id for v in self.orchestrator.list_sandboxes()}
+        for sandbox_id in [s for s in self._clients if s not in live]:
+            client = self._clients.pop(sandbox_id)
+            task = asyncio.get_running_loop().create_task(client.aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
 
     def target_of(self, request: Request) -> ProxyTarget | None:
         sandbox_id = request.headers.get("e2b-sandbox-id")
@@ -103,18 +125,20 @@ class SandboxProxy:
         has_body = request.method not in ("GET", "HEAD", "OPTIONS") or (
             "content-length" in request.headers or "transfer-encoding" in request.headers
         )
-        upstream_request = self._client.build_request(
+        client = self._client_for(target.sandbox_id)
+        upstream_request = client.build_request(
             request.method,
             url,
             headers=headers,
             content=request.stream() if has_body else None,
         )
         try:
-            upstream = await self._client.send(upstream_request, stream=True)
+            upstream = await client.send(upstream_request, stream=True)
         except httpx.ConnectError:
             return _error(502, f"port {target.port} in sandbox {target.sandbox_id} is not open")
         except httpx.HTTPError as exc:
-            return _error(502, f"sandbox {target.sandbox_id} did not answer: {exc}")
+            reason = str(exc) or type(exc).__name__
+            return _error(502, f"sandbox {target.sandbox_id} did not answer: {reason}")
         response_headers = {
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
         }
