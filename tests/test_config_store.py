@@ -29,7 +29,7 @@ def test_bad_values_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="vmm"):
         Config.load(env={"AENV_HOME": str(tmp_path), "AENV_VMM": "bochs"})
     (tmp_path / "config.toml").write_text("listen = [")
-    with pytest.raises(ConfigError, match="config.toml"):
+    with pytest.raises(ConfigError, match=r"config\.toml"):
         Config.load(env={"AENV_HOME": str(tmp_path)})
 
 
@@ -55,10 +55,20 @@ def test_store_round_trip(tmp_path: Path) -> None:
     store.open()
     now = utcnow()
     rec = SandboxRecord(
-        sandbox_id="iabc", template_id="base", template_build_id="b1", state="running",
-        slot=3, workdir=tmp_path / "iabc", started_at=now, end_at=now + timedelta(seconds=5),
-        vcpus=2, memory_mib=512, disk_size_mib=4096, envd_version="0.2.0",
-        metadata={"k": "v"}, env_vars={"A": "1"},
+        sandbox_id="iabc",
+        template_id="base",
+        template_build_id="b1",
+        state="running",
+        slot=3,
+        workdir=tmp_path / "iabc",
+        started_at=now,
+        end_at=now + timedelta(seconds=5),
+        vcpus=2,
+        memory_mib=512,
+        disk_size_mib=4096,
+        envd_version="0.2.0",
+        metadata={"k": "v"},
+        env_vars={"A": "1"},
     )
     store.insert_sandbox(rec)
     store.update_sandbox("iabc", state="paused", metadata={"k": "w"})

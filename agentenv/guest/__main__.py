@@ -46,10 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cache_dir = args.cache_dir or default_cache_dir()
             if args.command == "build":
+                # The log already says what was built; the manifest is `show`'s job.
                 image = asyncio.run(build_guest_image(cache_dir, log=_log))
+                print(f"guest image {image.digest} in {cache_dir}")
             else:
                 image = load_guest_image(cache_dir)
-            print(json.dumps(image.manifest(), indent=2, sort_keys=True))
+                print(json.dumps(image.manifest(), indent=2, sort_keys=True))
     except GuestImageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
