@@ -23,13 +23,20 @@ def create(c: httpx.Client, **body: object) -> dict[str, object]:
     return data
 
 
-def wait_gone(c: httpx.Client, sandbox_id: str, limit: float = 60.0) -> None:
+def wait_gone(c: httpx.Client, home: Path, sandbox_id: str, limit: float = 60.0) -> None:
+    """Wait until an expiring sandbox is unknown to the API *and* its VMM and files are
+    released (the API stops listing it as soon as the kill starts)."""
+    workdir = home / "sandboxes" / sandbox_id
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        if c.get(f"/sandboxes/{sandbox_id}").status_code == 404:
+        if (
+            c.get(f"/sandboxes/{sandbox_id}").status_code == 404
+            and not vmm_pids(f"/sandboxes/{sandbox_id}/")
+            and not workdir.exists()
+        ):
             return
         time.sleep(0.25)
-    pytest.fail(f"sandbox {sandbox_id} still exists after {limit}s")
+    pytest.fail(f"sandbox {sandbox_id} not fully released after {limit}s")
 
 
 # -- auth and bad input ---------------------------------------------------------------------
@@ -203,9 +210,8 @@ def _is_zombie(pid: int) -> bool:
 def test_ttl_expiry_kills(server: ServerProcess) -> None:
     with server.client() as c:
         sandbox_id = str(create(c, timeout=1)["sandboxID"])
-        wait_gone(c, sandbox_id)
-        assert vmm_pids(f"/sandboxes/{sandbox_id}/") == []
-        assert not (server.home / "sandboxes" / sandbox_id).exists()
+        wait_gone(c, server.home, sandbox_id)
+        assert sandbox_id not in [s["sandboxID"] for s in c.get("/v2/sandboxes").json()]
 
 
 def test_set_timeout_shortens(server: ServerProcess) -> None:
@@ -213,7 +219,7 @@ def test_set_timeout_shortens(server: ServerProcess) -> None:
         sandbox_id = str(create(c, timeout=600)["sandboxID"])
         end_before = c.get(f"/sandboxes/{sandbox_id}").json()["endAt"]
         assert c.post(f"/sandboxes/{sandbox_id}/timeout", json={"timeout": 1}).status_code == 204
-        wait_gone(c, sandbox_id)
+        wait_gone(c, server.home, sandbox_id)
         assert end_before
 
 

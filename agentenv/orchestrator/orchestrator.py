@@ -33,7 +33,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 from agentenv.orchestrator.templates import Template, TemplateManager
-from agentenv.storage.images import create_overlay
+from agentenv.storage.images import DiskFormat, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
     MachineSpec,
@@ -47,6 +47,12 @@ log = logging.getLogger("agentenv.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 VM_DIR = "vm"
+
+
+def _disk_format(value: str) -> DiskFormat:
+    if value not in ("raw", "qcow2"):
+        raise SandboxStartFailed(f"template disk has unknown format {value!r}")
+    return "qcow2" if value == "qcow2" else "raw"
 
 
 def new_sandbox_id() -> str:
@@ -299,7 +305,12 @@ class Orchestrator:
         try:
             workdir.mkdir(parents=True)
             (workdir / VM_DIR).mkdir()
-            disk = await create_overlay(snap.disk, workdir / "disk.qcow2", "qcow2")
+            disk, disk_format = await writable_disk(
+                snap.disk,
+                _disk_format(snap.disk_format),
+                workdir / "disk",
+                self.driver.disk_formats,
+            )
             net = await self.network.create(slot, allow_internet=allow_internet)
             spec = MachineSpec(
                 vcpus=snap.vcpus,
@@ -308,7 +319,7 @@ class Orchestrator:
                 initrd=snap.initrd,
                 cmdline=snap.cmdline,
                 drives=(
-                    DriveSpec("root", disk, fmt="qcow2"),
+                    DriveSpec("root", disk, fmt=disk_format),
                     DriveSpec("tools", snap.tools_drive, read_only=True),
                 ),
                 # Private mapping: the sandbox's RAM writes are copy-on-write in its own

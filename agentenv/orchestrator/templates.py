@@ -27,8 +27,15 @@ from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import TemplateNotFound, TemplateUnavailable
 from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, commit, discard, staging_dir
-from agentenv.storage.images import create_overlay, make_read_only, virtual_size
-from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec, VirtualMachine, VMMDriver
+from agentenv.storage.images import make_read_only, virtual_size, writable_disk
+from agentenv.vmm.base import (
+    DriveSpec,
+    MachineSpec,
+    NetSpec,
+    VirtualMachine,
+    VMMDriver,
+    VMRunState,
+)
 
 log = logging.getLogger("agentenv.templates")
 
@@ -166,7 +173,9 @@ class TemplateManager:
         vm: VirtualMachine | None = None
         net: SandboxNetwork | None = None
         try:
-            disk = await create_overlay(image.rootfs, staging / "disk.qcow2", "raw")
+            disk, disk_format = await writable_disk(
+                image.rootfs, "raw", staging / "disk", self.driver.disk_formats
+            )
             net = await self.network.create(slot)
             spec = MachineSpec(
                 vcpus=self.config.vcpus,
@@ -175,11 +184,11 @@ class TemplateManager:
                 initrd=image.initrd,
                 cmdline=kernel_cmdline(),
                 drives=(
-                    DriveSpec("root", disk, fmt="qcow2"),
+                    DriveSpec("root", disk, fmt=disk_format),
                     DriveSpec("tools", image.tools, read_only=True),
                 ),
                 memory_file=staging / "memory.raw",
-                memory_shared=True,
+                memory_shared=self.driver.shared_memory_boot,
                 accel=self.accel,  # type: ignore[arg-type]
                 net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
             )
@@ -189,7 +198,7 @@ class TemplateManager:
             booted = vm
 
             def alive() -> bool:
-                return booted.state != "stopped" and _pid_alive(booted.pid)
+                return booted.state != VMRunState.STOPPED
 
             try:
                 await envd_client.wait_healthy(
@@ -206,12 +215,12 @@ class TemplateManager:
             await vm.kill()
             vm = None
             disk_size = await virtual_size(disk)
-            make_read_only(disk, spec.memory_file)
+            make_read_only(disk, *([files.memory_file] if files.memory_file else []))
             snapshot = MachineSnapshot(
                 directory=staging,
                 files=files,
                 disk=disk,
-                disk_format="qcow2",
+                disk_format=disk_format,
                 kernel=image.kernel,
                 initrd=image.initrd,
                 tools_drive=image.tools,
@@ -242,14 +251,6 @@ class TemplateManager:
         for path in self.config.templates_dir.glob("*/.staging-*"):
             log.info("removing leftover template staging dir %s", path)
             discard(path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _tail(path: Path, lines: int = 30) -> str:

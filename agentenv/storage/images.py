@@ -65,3 +65,36 @@ def make_read_only(*paths: Path) -> None:
     """Drop write permission so a shared base cannot be changed by accident."""
     for p in paths:
         p.chmod(p.stat().st_mode & ~0o222)
+
+
+async def clone_raw(source: Path, path: Path) -> Path:
+    """Copy a raw image for a VMM that cannot read qcow2: a reflink on XFS/btrfs (instant,
+    copy-on-write), else a sparse copy. Nothing is left at ``path`` on failure."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "cp", "--reflink=auto", "--sparse=always", str(source), str(tmp),
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise StorageError(f"copying {source} failed: {err.decode(errors='replace').strip()}")
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+async def writable_disk(
+    backing: Path, backing_format: DiskFormat, path_stem: Path, formats: tuple[str, ...]
+) -> tuple[Path, DiskFormat]:
+    """A per-machine writable disk over ``backing``: a qcow2 overlay where the VMM reads
+    qcow2, else a raw clone. Returns the path and its format."""
+    if "qcow2" in formats:
+        return await create_overlay(
+            backing, path_stem.with_suffix(".qcow2"), backing_format
+        ), "qcow2"
+    if backing_format != "raw":
+        raise StorageError(f"{backing} is {backing_format}; this VMM needs a raw image")
+    return await clone_raw(backing, path_stem.with_suffix(".raw")), "raw"

@@ -204,6 +204,12 @@ class VMMDriver(ABC):
     """Starts VMM processes of one kind."""
 
     name: str
+    #: Disk image formats the VMM opens; other drivers get raw copies (reflinked where
+    #: the filesystem can).
+    disk_formats: tuple[str, ...] = ("raw", "qcow2")
+    #: Whether a booted machine's RAM can live in ``MachineSpec.memory_file`` (shared), so
+    #: that saving it writes device state only.
+    shared_memory_boot: bool = True
 
     @abstractmethod
     async def boot(self, spec: MachineSpec, workdir: Path) -> VirtualMachine:

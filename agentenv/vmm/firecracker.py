@@ -448,6 +448,9 @@ class FirecrackerDriver(VMMDriver):
     """Starts Firecracker processes from ``binary`` (see :func:`find_firecracker`)."""
 
     name = "firecracker"
+    # Firecracker opens raw files only, and keeps guest RAM anonymous until a snapshot.
+    disk_formats = ("raw",)
+    shared_memory_boot = False
 
     def __init__(self, binary: Path) -> None:
         if not (binary.is_file() and os.access(binary, os.X_OK)):

@@ -18,6 +18,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from agentenv.vmm.base import VMMGone
+
 
 def read_cmdline(pid: int) -> list[str]:
     """The argv of ``pid`` (empty if it has gone or is a zombie)."""
@@ -46,6 +48,7 @@ class VMMProcess:
         self._pidfd = os.pidfd_open(pid)
         self._exited = asyncio.Event()
         self._returncode: int | None = None
+        self._detached = False
         loop = asyncio.get_running_loop()
         loop.add_reader(self._pidfd, self._on_exit)
 
@@ -81,7 +84,9 @@ class VMMProcess:
         return self._returncode
 
     def alive(self) -> bool:
-        return not self._exited.is_set()
+        """Whether the process is running, as far as this handle knows: a detached handle
+        knows nothing any more and answers False."""
+        return not self._exited.is_set() and not self._detached
 
     def _on_exit(self) -> None:
         self._release_pidfd()
@@ -106,7 +111,7 @@ class VMMProcess:
         return True
 
     def send_signal(self, sig: int) -> None:
-        if not self.alive():
+        if not self.alive() or self._pidfd < 0:
             return
         with contextlib.suppress(ProcessLookupError):
             # Through the pidfd, so a recycled pid can never receive the signal.
@@ -114,11 +119,14 @@ class VMMProcess:
 
     async def kill(self) -> None:
         """SIGKILL and wait until the process is gone (reaped, if it is our child)."""
+        if self._detached:
+            raise VMMGone(f"process {self.pid} is no longer watched by this handle")
         self.send_signal(signal.SIGKILL)
         await self._exited.wait()
 
     def detach(self) -> None:
         """Stop watching without touching the process."""
+        self._detached = True
         self._release_pidfd()
         if self._popen is not None:
             # Keep Popen from reaping (or warning about) a process we leave running.

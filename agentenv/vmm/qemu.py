@@ -457,6 +457,9 @@ class QemuDriver(VMMDriver):
             f"memory-backend-file,id=mem0,size={mem},mem-path={_opt_path(spec.memory_file)},"
             f"share={share}",
             "-nodefaults", "-no-user-config", "-display", "none",
+            # The guest asks for a reboot on panic; -no-reboot turns that into an exit,
+            # so a crashed sandbox is seen as dead instead of silently rebooting.
+            "-no-reboot",
             "-kernel", str(spec.kernel),
         ]  # fmt: skip
         if spec.initrd is not None:
