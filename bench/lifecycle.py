@@ -31,7 +31,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import ServerProcess, run_command
+from agentenv.network import NetworkManager
+from tests.helpers import ServerProcess, run_command, vmm_pids
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,7 +115,7 @@ async def _execute(
             raise RuntimeError(f"{command}: {reply['error']}")
 
 
-async def bare_restore_once(snapshot_dir: Path, workdir: Path) -> tuple[float, float]:
+async def bare_restore_once(snapshot_dir: Path, workdir: Path, netns: str) -> tuple[float, float]:
     manifest = json.loads((snapshot_dir / "snapshot.json").read_text())
     files = manifest["files"]
     shape = files["shape"]
@@ -138,6 +139,9 @@ async def bare_restore_once(snapshot_dir: Path, workdir: Path) -> tuple[float, f
     )
     accel = files["accel"]
     argv = [
+        "nsenter",
+        f"--net=/run/netns/{netns}",
+        "--",
         "qemu-system-x86_64",
         "-M",
         "microvm,memory-backend=mem0",
@@ -180,7 +184,7 @@ async def bare_restore_once(snapshot_dir: Path, workdir: Path) -> tuple[float, f
     if shape.get("net"):
         argv += [
             "-netdev",
-            "user,id=n0,restrict=on",
+            "tap,id=n0,ifname=tap0,script=no,downscript=no",
             "-device",
             "virtio-net-device,netdev=n0,mac=02:fc:00:00:00:05",
         ]
@@ -221,14 +225,54 @@ async def bare_restore_once(snapshot_dir: Path, workdir: Path) -> tuple[float, f
 
 
 def bench_bare(snapshot_dir: Path, runs: int) -> dict[str, list[float]]:
+    """The snapshot's virtio-net device was saved with a tap backend, so the baseline
+    needs a tap too: one namespace with one, made once and outside the timed path."""
     results: dict[str, list[float]] = {"bare_restore_to_running": [], "bare_kill": []}
-    with tempfile.TemporaryDirectory(prefix="aenv-bare-") as tmp:
-        asyncio.run(bare_restore_once(snapshot_dir, Path(tmp)))  # warm-up
-        for _ in range(runs):
-            running, killed = asyncio.run(bare_restore_once(snapshot_dir, Path(tmp)))
-            results["bare_restore_to_running"].append(running)
-            results["bare_kill"].append(killed)
+    network = NetworkManager(prefix="aebase", subnet="10.254.0.0/24")
+    net = asyncio.run(network.create(0))
+    try:
+        with tempfile.TemporaryDirectory(prefix="aenv-bare-") as tmp:
+            asyncio.run(bare_restore_once(snapshot_dir, Path(tmp), net.netns))  # warm-up
+            for _ in range(runs):
+                running, killed = asyncio.run(bare_restore_once(snapshot_dir, Path(tmp), net.netns))
+                results["bare_restore_to_running"].append(running)
+                results["bare_kill"].append(killed)
+    finally:
+        asyncio.run(network.destroy(0))
     return results
+
+
+def _pss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def idle_cost(server: ServerProcess, seconds: float = 5.0) -> dict[str, float]:
+    """Host memory (PSS) and CPU of one idle sandbox's VMM."""
+    with httpx.Client(
+        base_url=server.url, headers={"X-API-Key": server.api_key}, timeout=120, trust_env=False
+    ) as c:
+        sandbox_id = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        try:
+            run_command(server.url, sandbox_id, "true")
+            (pid,) = vmm_pids(f"/sandboxes/{sandbox_id}/")
+            ticks0, t0 = _cpu_ticks(pid), time.monotonic()
+            time.sleep(seconds)
+            ticks1, t1 = _cpu_ticks(pid), time.monotonic()
+            hz = os.sysconf("SC_CLK_TCK")
+            return {
+                "idle_vmm_pss_mib": _pss_kib(pid) / 1024,
+                "idle_vmm_cpu_percent": 100 * (ticks1 - ticks0) / hz / (t1 - t0),
+            }
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
 
 
 def print_table(summary: dict[str, dict[str, float]], baseline: dict[str, str]) -> None:
@@ -259,6 +303,7 @@ def main() -> None:
         api = bench_api(server.url, server.api_key, args.runs)
         snapshot_dirs = sorted((server.home / "templates" / "base").iterdir())
         bare = bench_bare(snapshot_dirs[-1], args.runs)
+        idle = idle_cost(server)
     finally:
         server.stop()
         from tests.conftest import _cleanup_host
@@ -268,10 +313,15 @@ def main() -> None:
     summary = {name: summarize(values) for name, values in {**api, **bare}.items()}
     baseline = {"create_to_running": "bare_restore_to_running", "kill": "bare_kill"}
     print_table(summary, baseline)
+    print(
+        f"\nidle sandbox: VMM PSS {idle['idle_vmm_pss_mib']:.0f} MiB, "
+        f"CPU {idle['idle_vmm_cpu_percent']:.1f}% of one core"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
-            {"runs": args.runs, "summary": summary, "raw_seconds": {**api, **bare}}, indent=2
+            {"runs": args.runs, "summary": summary, "idle": idle, "raw_seconds": {**api, **bare}},
+            indent=2,
         )
     )
     print(f"\nwritten {args.json}")

@@ -44,6 +44,10 @@ def kernel_cmdline(extra: Mapping[str, str] | None = None, *, tsc_khz: int | Non
         "quiet": "",
         # The CRNG is seeded from RDRAND at once instead of after ~1 s of TCG time.
         "random.trust_cpu": "on",
+        # microvm has no HPET or ACPI PM timer to watch the TSC against, so the kernel
+        # rejects it and falls back to jiffies: a tick that never stops (idle guests burn
+        # host CPU) and coarse, slow time reads. The TSC is steady under TCG and KVM alike.
+        "tsc": "reliable",
         # A guest panic reboots at once (triple fault, no ACPI needed); the VMM runs QEMU
         # with -no-reboot, so the VM exits instead of hanging.
         "panic": "-1",

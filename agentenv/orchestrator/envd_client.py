@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
+import struct
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -79,3 +81,26 @@ async def init(
         if response.is_success:
             return
         raise EnvdUnreachable(f"envd /init answered {response.status_code}: {response.text}")
+
+
+async def warm_up(client: httpx.AsyncClient, address: str, timeout: float = 60.0) -> None:
+    """Exercise envd's request paths once before a template is snapshotted.
+
+    Whatever a first request costs in the guest (first-use code paths, files read into
+    the guest's page cache, lazily built state) is then paid once at template build
+    instead of in every sandbox restored from it."""
+    await client.post(
+        envd_url(address, "/init"),
+        json={"timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z")},
+        timeout=timeout,
+    )
+    start = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}, "stdin": False}
+    body = json.dumps(start).encode()
+    response = await client.post(
+        envd_url(address, "/process.Process/Start"),
+        content=struct.pack(">BI", 0, len(body)) + body,
+        headers={"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"},
+        timeout=timeout,
+    )
+    if response.status_code != 200:
+        raise EnvdUnreachable(f"envd warm-up command failed: {response.status_code}")

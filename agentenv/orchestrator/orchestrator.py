@@ -14,6 +14,7 @@ import logging
 import secrets
 import shutil
 import string
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -47,6 +48,25 @@ log = logging.getLogger("agentenv.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 VM_DIR = "vm"
+
+
+class _PhaseTimer:
+    """Durations of the named phases of one operation, for the log."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._start = self._last
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        total = (self._last - self._start) * 1000
+        parts = ", ".join(f"{k} {v * 1000:.0f}" for k, v in self.phases.items())
+        return f"{total:.0f} ms ({parts})"
 
 
 def _disk_format(value: str) -> DiskFormat:
@@ -302,6 +322,7 @@ class Orchestrator:
         # The record goes first, so a crash mid-create leaves something to clean up.
         self.store.insert_sandbox(rec)
         vm: VirtualMachine | None = None
+        phases = _PhaseTimer()
         try:
             workdir.mkdir(parents=True)
             (workdir / VM_DIR).mkdir()
@@ -311,7 +332,9 @@ class Orchestrator:
                 workdir / "disk",
                 self.driver.disk_formats,
             )
+            phases.mark("disk")
             net = await self.network.create(slot, allow_internet=allow_internet)
+            phases.mark("network")
             spec = MachineSpec(
                 vcpus=snap.vcpus,
                 memory_mib=snap.memory_mib,
@@ -330,9 +353,11 @@ class Orchestrator:
                 net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
             )
             vm = await self.driver.restore(spec, snap.files, workdir / VM_DIR)
+            phases.mark("restore")
             await envd_client.init(
                 self.http, net.guest_address, env_vars=env_vars, access_token=rec.envd_token
             )
+            phases.mark("envd_init")
         except BaseException as exc:
             if vm is not None:
                 await vm.kill()
@@ -349,7 +374,7 @@ class Orchestrator:
         end_at = utcnow() + timedelta(seconds=timeout)
         self.store.update_sandbox(sandbox_id, state="running", end_at=end_at)
         rec.state, rec.end_at = "running", end_at
-        log.info("sandbox %s running (template %s)", sandbox_id, rec.template_id)
+        log.info("sandbox %s running (template %s) in %s", sandbox_id, rec.template_id, phases)
         return self._view(rec)
 
     # -- changes -------------------------------------------------------------------------

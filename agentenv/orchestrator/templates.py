@@ -211,6 +211,7 @@ class TemplateManager:
                 raise TemplateUnavailable(
                     f"{exc}; guest console tail:\n{_tail(boot_dir / 'console.log')}"
                 ) from exc
+            await envd_client.warm_up(self._http, net.guest_address)
             files = await vm.save_state(staging)
             await vm.kill()
             vm = None
