@@ -59,7 +59,8 @@ class Config:
     domain: str | None = None
     log_level: str = "info"
     # How long a template boot may take before we give up (TCG cold boots take seconds).
-    template_boot_timeout: float = 180.0
+    template_boot_timeout: float = 120.0
+    template_boot_attempts: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
     # -- derived paths -------------------------------------------------------------------

@@ -166,6 +166,7 @@ def run_command(
     envs: dict[str, str] | None = None,
     cwd: str | None = None,
     user: str | None = None,
+    token: str | None = None,
     timeout: float = 60.0,
 ) -> CommandResult:
     """Run ``command`` the way ``Sandbox.commands.run`` does: ``/bin/bash -l -c``,
@@ -181,6 +182,8 @@ def run_command(
         "E2b-Sandbox-Id": sandbox_id,
         "E2b-Sandbox-Port": "49983",
     }
+    if token:
+        headers["X-Access-Token"] = token
     if user:
         headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
     response = httpx.post(

@@ -6,12 +6,15 @@ orchestrator's startup and shutdown, so the same object serves tests and the rea
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Annotated
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +30,7 @@ from agentenv.api.models import (
     RefreshRequest,
     Sandbox,
     SandboxDetail,
+    SandboxMetric,
     TimeoutRequest,
 )
 from agentenv.orchestrator.errors import OrchestratorError
@@ -167,17 +171,25 @@ def create_app(
             detail=orchestrator.templates.last_error,
         )
 
-    async def _create(body: NewSandbox, secure: bool) -> Sandbox:
-        view = await orchestrator.create(
-            body.template_id,
-            timeout=body.timeout,
-            metadata=body.metadata,
-            env_vars=body.env_vars,
-            secure=secure,
-            allow_internet=bool(body.allow_internet_access),
-            auto_pause=body.auto_pause,
-        )
-        return sandbox_body(view)
+    creates = IdempotentCreates()
+
+    async def _create(body: NewSandbox, secure: bool, idempotency_key: str | None) -> Sandbox:
+        async def create() -> Sandbox:
+            view = await orchestrator.create(
+                body.template_id,
+                timeout=body.timeout,
+                metadata=body.metadata,
+                env_vars=body.env_vars,
+                secure=secure,
+                # E2B sandboxes reach the internet unless told otherwise.
+                allow_internet=body.allow_internet_access is not False,
+                auto_pause=body.auto_pause,
+            )
+            return sandbox_body(view)
+
+        if idempotency_key:
+            return await creates.run(idempotency_key, create)
+        return await create()
 
     @app.post(
         "/sandboxes",
@@ -187,8 +199,11 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def create_sandbox_v1(body: NewSandbox) -> Sandbox:
-        return await _create(body, secure=body.secure)
+    async def create_sandbox_v1(
+        body: NewSandbox,
+        idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+    ) -> Sandbox:
+        return await _create(body, body.secure, idempotency_key)
 
     @app.post(
         "/v2/sandboxes",
@@ -198,10 +213,12 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def create_sandbox_v2(body: NewSandbox) -> Sandbox:
-        # V2 has no `secure` field; the SDK documents it as always secured, but our envd
-        # enforces tokens only from the next milestone on, so honour an explicit flag.
-        return await _create(body, secure=body.secure)
+    async def create_sandbox_v2(
+        body: NewSandbox,
+        idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+    ) -> Sandbox:
+        # V2 has no `secure` field: its sandboxes are always secured with a token.
+        return await _create(body, True, idempotency_key)
 
     @app.get(
         "/sandboxes",
@@ -289,6 +306,31 @@ def create_app(
         await orchestrator.extend_timeout(sandbox_id, duration)
         return Response(status_code=204)
 
+    @app.get(
+        "/sandboxes/{sandbox_id}/metrics",
+        response_model=list[SandboxMetric],
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def sandbox_metrics(sandbox_id: str) -> list[SandboxMetric]:
+        view = orchestrator.get(sandbox_id)
+        data = await orchestrator.guest_metrics(sandbox_id)
+        ts = float(str(data.get("ts", time.time())))
+        return [
+            SandboxMetric(
+                timestamp=datetime.fromtimestamp(ts, UTC),
+                timestampUnix=int(ts),
+                cpuCount=int(str(data.get("cpu_count", view.record.vcpus))),
+                cpuUsedPct=float(str(data.get("cpu_used_pct", 0.0))),
+                memUsed=int(str(data.get("mem_used", 0))),
+                memTotal=int(str(data.get("mem_total", 0))),
+                memCache=int(str(data.get("mem_cache", 0))),
+                diskUsed=int(str(data.get("disk_used", 0))),
+                diskTotal=int(str(data.get("disk_total", 0))),
+            )
+        ]
+
     async def _connect(sandbox_id: str, body: ConnectRequest | None) -> Sandbox:
         timeout = body.timeout if body and body.timeout is not None else None
         if timeout is not None:
@@ -318,6 +360,32 @@ def create_app(
         return await _connect(sandbox_id, body)
 
     return app
+
+
+class IdempotentCreates:
+    """Remembers sandbox creates by ``Idempotency-Key`` so a retried POST (the SDK retries
+    creates on 502/503/504) returns the sandbox the first attempt made instead of a second
+    one. A repeat while the first is running joins it; failed attempts are forgotten."""
+
+    def __init__(self, ttl: float = 600.0) -> None:
+        self.ttl = ttl
+        self._entries: dict[str, tuple[float, asyncio.Task[Sandbox]]] = {}
+
+    async def run(self, key: str, create: Callable[[], Coroutine[Any, Any, Sandbox]]) -> Sandbox:
+        now = time.monotonic()
+        for stale in [k for k, (expires, _) in self._entries.items() if expires < now]:
+            del self._entries[stale]
+        entry = self._entries.get(key)
+        if entry is not None and not _failed(entry[1]):
+            return await asyncio.shield(entry[1])
+        task = asyncio.get_running_loop().create_task(create())
+        self._entries[key] = (now + self.ttl, task)
+        # Shielded: a client that disconnects must not abort a create others may join.
+        return await asyncio.shield(task)
+
+
+def _failed(task: asyncio.Task[Sandbox]) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
 
 
 def _page_key(view: SandboxView) -> str:

@@ -88,3 +88,19 @@ class Health(BaseModel):
     templates: dict[str, str]
     sandboxes: int
     detail: str | None = None
+
+
+class SandboxMetric(BaseModel):
+    """One sample of a sandbox's resource use (E2B's ``SandboxMetric``)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    timestamp: datetime
+    timestamp_unix: int = Field(alias="timestampUnix")
+    cpu_count: int = Field(alias="cpuCount")
+    cpu_used_pct: float = Field(alias="cpuUsedPct")
+    mem_used: int = Field(alias="memUsed")
+    mem_total: int = Field(alias="memTotal")
+    mem_cache: int = Field(alias="memCache")
+    disk_used: int = Field(alias="diskUsed")
+    disk_total: int = Field(alias="diskTotal")

@@ -104,3 +104,20 @@ async def warm_up(client: httpx.AsyncClient, address: str, timeout: float = 60.0
     )
     if response.status_code != 200:
         raise EnvdUnreachable(f"envd warm-up command failed: {response.status_code}")
+
+
+async def metrics(
+    client: httpx.AsyncClient, address: str, access_token: str | None
+) -> dict[str, object]:
+    """The guest's resource figures from envd's ``/metrics``."""
+    headers = {"X-Access-Token": access_token} if access_token else {}
+    try:
+        response = await client.get(envd_url(address, "/metrics"), headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        raise EnvdUnreachable(f"envd /metrics failed: {exc}") from exc
+    if not response.is_success:
+        raise EnvdUnreachable(f"envd /metrics answered {response.status_code}")
+    data = response.json()
+    if not isinstance(data, dict):
+        raise EnvdUnreachable("envd /metrics did not return an object")
+    return data

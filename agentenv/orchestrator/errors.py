@@ -45,3 +45,9 @@ class TemplateUnavailable(OrchestratorError):
 
 class SandboxStartFailed(OrchestratorError):
     status = 500
+
+
+class GuestUnavailable(OrchestratorError):
+    """The sandbox exists but its guest agent did not answer."""
+
+    status = 502

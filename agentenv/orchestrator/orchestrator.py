@@ -28,6 +28,7 @@ from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import (
     CapacityExhausted,
+    GuestUnavailable,
     InvalidRequest,
     SandboxNotFound,
     SandboxStartFailed,
@@ -244,6 +245,14 @@ class Orchestrator:
         return [
             self._view(r) for r in self.store.list_sandboxes() if r.state in ("running", "paused")
         ]
+
+    async def guest_metrics(self, sandbox_id: str) -> dict[str, object]:
+        """Current resource use inside the guest, as envd reports it."""
+        view = self.get(sandbox_id)
+        try:
+            return await envd_client.metrics(self.http, view.guest_address, view.record.envd_token)
+        except envd_client.EnvdUnreachable as exc:
+            raise GuestUnavailable(f"sandbox {sandbox_id}: {exc}") from exc
 
     # -- create --------------------------------------------------------------------------
     def _check_timeout(self, timeout: int) -> None:

@@ -9,10 +9,12 @@ guest image or machine size produces a new build and old sandboxes keep their ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +141,7 @@ class TemplateManager:
         )
         started = asyncio.get_running_loop().time()
         try:
-            snapshot = await self._boot_and_snapshot(image, final)
+            snapshot = await self._boot_with_retries(image, final)
         except Exception as exc:
             self.last_error = str(exc)
             log.error("template build failed: %s", exc)
@@ -166,6 +168,24 @@ class TemplateManager:
         )
         self.store.put_template(record)
         return Template(record, snapshot)
+
+    async def _boot_with_retries(self, image: GuestImage, final: Path) -> MachineSnapshot:
+        """Cold boots under TCG occasionally hang in the kernel on a loaded host (seen here
+        about once in dozens of boots); a fresh attempt then boots normally."""
+        attempts = self.config.template_boot_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._boot_and_snapshot(image, final)
+            except GuestBootTimeout as exc:
+                if attempt == attempts:
+                    raise
+                log.warning(
+                    "template boot attempt %d/%d failed (%s); retrying",
+                    attempt,
+                    attempts,
+                    exc.summary,
+                )
+        raise AssertionError("unreachable")
 
     async def _boot_and_snapshot(self, image: GuestImage, final: Path) -> MachineSnapshot:
         staging = staging_dir(final)
@@ -208,8 +228,12 @@ class TemplateManager:
                     alive=alive,
                 )
             except envd_client.EnvdUnreachable as exc:
-                raise TemplateUnavailable(
-                    f"{exc}; guest console tail:\n{_tail(boot_dir / 'console.log')}"
+                # Kept outside the staging directory, which is discarded, for diagnosis.
+                kept = final.parent / f"failed-boot-{int(time.time())}-console.log"
+                with contextlib.suppress(OSError):
+                    shutil.copy(boot_dir / "console.log", kept)
+                raise GuestBootTimeout(
+                    str(exc), f"{exc}; console kept in {kept}; tail:\n{_tail(kept)}"
                 ) from exc
             await envd_client.warm_up(self._http, net.guest_address)
             files = await vm.save_state(staging)
@@ -252,6 +276,14 @@ class TemplateManager:
         for path in self.config.templates_dir.glob("*/.staging-*"):
             log.info("removing leftover template staging dir %s", path)
             discard(path)
+
+
+class GuestBootTimeout(TemplateUnavailable):
+    """The template's guest did not bring envd up in time."""
+
+    def __init__(self, summary: str, detail: str) -> None:
+        super().__init__(detail)
+        self.summary = summary
 
 
 def _tail(path: Path, lines: int = 30) -> str:

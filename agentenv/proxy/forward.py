@@ -1,29 +1,37 @@
-"""Forwarding HTTP requests to a port inside a sandbox.
+"""Forwarding HTTP and WebSocket traffic to a port inside a sandbox.
 
 A request is sandbox traffic when it carries ``E2b-Sandbox-Id`` (and optionally
 ``E2b-Sandbox-Port``, default envd's port) or its Host is ``{port}-{sandboxID}.{domain}``.
-Bodies stream in both directions without buffering, so Connect server streams and large
-uploads pass through as they are produced.
+Bodies stream in both directions without buffering (each side waits for the other to
+drain, so a slow reader slows the writer instead of filling memory), which is what Connect
+server streams, large uploads and downloads need.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import re
 from dataclasses import dataclass
 
 import httpx
+import websockets
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.network.addresses import ENVD_PORT
 from agentenv.orchestrator.errors import SandboxNotFound
-from agentenv.orchestrator.orchestrator import Orchestrator
+from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
 
 _HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[a-z0-9]+)\.")
-# Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded.
+# Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded, nor are the ones the
+# HTTP client recomputes.
 _HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -40,12 +48,45 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port"})
+# envd paths that authenticate themselves: /health is public, /files accepts signed URLs.
+_ENVD_SELF_AUTHENTICATED = ("/health", "/files")
 
 
 @dataclass(frozen=True)
 class ProxyTarget:
     sandbox_id: str
     port: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    message: str
+
+    def response(self) -> Response:
+        return JSONResponse({"code": self.status, "message": self.message}, status_code=self.status)
+
+
+def target_of(headers: Headers) -> ProxyTarget | None:
+    sandbox_id = headers.get("e2b-sandbox-id")
+    if sandbox_id:
+        port_text = headers.get("e2b-sandbox-port") or str(ENVD_PORT)
+        port = int(port_text) if port_text.isdigit() else -1
+        return ProxyTarget(sandbox_id.strip(), port)
+    match = _HOST_RE.match(headers.get("host", ""))
+    if match:
+        return ProxyTarget(match["sandbox"], int(match["port"]))
+    return None
+
+
+def _forwarded_headers(headers: Headers, *, websocket: bool = False) -> list[tuple[str, str]]:
+    return [
+        (k, v)
+        for k, v in headers.items()
+        if k not in _HOP_BY_HOP
+        and k not in _ROUTING_HEADERS
+        and not (websocket and k.startswith("sec-websocket-"))
+    ]
 
 
 class SandboxProxy:
@@ -82,43 +123,40 @@ class SandboxProxy:
             await client.aclose()
         self._clients.clear()
 
-    def target_of(self, request: Request) -> ProxyTarget | None:
-        sandbox_id = request.headers.get("e2b-sandbox-id")
-        if sandbox_id:
-            port_text = request.headers.get("e2b-sandbox-port") or str(ENVD_PORT)
-            port = int(port_text) if port_text.isdigit() else -1
-            return ProxyTarget(sandbox_id.strip(), port)
-        host = request.headers.get("host", "")
-        match = _HOST_RE.match(host)
-        if match:
-            return ProxyTarget(match["sandbox"], int(match["port"]))
-        return None
-
-    async def forward(self, request: Request, target: ProxyTarget) -> Response:
+    # -- admission ----------------------------------------------------------------------
+    def admit(self, target: ProxyTarget, path: str, headers: Headers) -> SandboxView | Refusal:
+        """The sandbox to forward to, or why not."""
         if not 0 < target.port < 65536:
-            return _error(400, "E2b-Sandbox-Port must be a port number")
-        if target.port == ENVD_PORT and request.url.path.rstrip("/") == "/init":
-            # /init sets the sandbox's token, clock and identity: only the orchestrator,
-            # which reaches envd directly, may call it.
-            return _error(403, "envd /init is not reachable through the proxy")
+            return Refusal(400, "E2b-Sandbox-Port must be a port number")
         try:
             view = self.orchestrator.get(target.sandbox_id)
         except SandboxNotFound:
-            # E2B's edge answers unknown sandboxes with 502 and this body; the SDK maps it
-            # to "sandbox not found / not running".
-            return _error(502, f"The sandbox {target.sandbox_id} was not found")
+            # E2B's edge answers unknown sandboxes with 502; the SDK reads that as "the
+            # sandbox is not running" (is_running() -> False).
+            return Refusal(502, f"The sandbox {target.sandbox_id} was not found")
         if view.state != "running":
-            return _error(502, f"The sandbox {target.sandbox_id} is not running")
-        headers = [
-            (k, v)
-            for k, v in request.headers.items()
-            if k.lower() not in _HOP_BY_HOP and k.lower() not in _ROUTING_HEADERS
-        ]
+            return Refusal(502, f"The sandbox {target.sandbox_id} is not running")
+        if target.port != ENVD_PORT:
+            return view
+        clean_path = path.rstrip("/")
+        if clean_path == "/init":
+            # /init sets the sandbox's token, clock and identity: only the orchestrator,
+            # which reaches envd directly, may call it.
+            return Refusal(403, "envd /init is not reachable through the proxy")
+        token = view.record.envd_token
+        if token and not clean_path.startswith(_ENVD_SELF_AUTHENTICATED):
+            presented = headers.get("x-access-token", "")
+            if not hmac.compare_digest(presented.encode(), token.encode()):
+                return Refusal(401, "missing or invalid X-Access-Token for this sandbox")
+        return view
+
+    # -- HTTP ---------------------------------------------------------------------------
+    async def forward(self, request: Request, target: ProxyTarget) -> Response:
+        admitted = self.admit(target, request.url.path, request.headers)
+        if isinstance(admitted, Refusal):
+            return admitted.response()
         url = httpx.URL(
-            scheme="http",
-            host=view.guest_address,
-            port=target.port,
-            path=request.url.path,
+            scheme="http", host=admitted.guest_address, port=target.port, path=request.url.path
         )
         if request.url.query:
             url = url.copy_with(query=request.url.query.encode())
@@ -129,16 +167,18 @@ class SandboxProxy:
         upstream_request = client.build_request(
             request.method,
             url,
-            headers=headers,
+            headers=_forwarded_headers(request.headers),
             content=request.stream() if has_body else None,
         )
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.ConnectError:
-            return _error(502, f"port {target.port} in sandbox {target.sandbox_id} is not open")
+            return Refusal(
+                502, f"port {target.port} in sandbox {target.sandbox_id} is not open"
+            ).response()
         except httpx.HTTPError as exc:
             reason = str(exc) or type(exc).__name__
-            return _error(502, f"sandbox {target.sandbox_id} did not answer: {reason}")
+            return Refusal(502, f"sandbox {target.sandbox_id} did not answer: {reason}").response()
         response_headers = {
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
         }
@@ -149,26 +189,106 @@ class SandboxProxy:
             background=BackgroundTask(upstream.aclose),
         )
 
+    # -- WebSocket ----------------------------------------------------------------------
+    async def forward_websocket(
+        self, scope: Scope, receive: Receive, send: Send, target: ProxyTarget
+    ) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        headers = Headers(scope=scope)
+        admitted = self.admit(target, scope["path"], headers)
+        if isinstance(admitted, Refusal):
+            await _deny_websocket(send, admitted)
+            return
+        query = scope.get("query_string", b"").decode()
+        url = f"ws://{admitted.guest_address}:{target.port}{scope['path']}"
+        if query:
+            url += "?" + query
+        try:
+            upstream = await ws_connect(
+                url,
+                additional_headers=_forwarded_headers(headers, websocket=True),
+                subprotocols=scope.get("subprotocols") or None,
+                open_timeout=10,
+                max_size=None,
+                compression=None,
+            )
+        except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
+            await _deny_websocket(send, Refusal(502, f"WebSocket to sandbox failed: {exc}"))
+            return
+        async with upstream:
+            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+            pumps = [
+                asyncio.create_task(_client_to_upstream(receive, upstream)),
+                asyncio.create_task(_upstream_to_client(upstream, send)),
+            ]
+            _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
-def _error(status: int, message: str) -> Response:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+async def _deny_websocket(send: Send, refusal: Refusal) -> None:
+    # The "websocket.http.response" extension lets the client see a real HTTP status.
+    await send(
+        {
+            "type": "websocket.http.response.start",
+            "status": refusal.status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    body = JSONResponse({"code": refusal.status, "message": refusal.message}).body
+    await send({"type": "websocket.http.response.body", "body": body})
+
+
+async def _client_to_upstream(receive: Receive, upstream: ClientConnection) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "websocket.receive":
+            data = message.get("bytes")
+            await upstream.send(data if data is not None else message.get("text") or "")
+        elif message["type"] == "websocket.disconnect":
+            await upstream.close(_sendable_close_code(message.get("code")))
+            return
+
+
+async def _upstream_to_client(upstream: ClientConnection, send: Send) -> None:
+    with contextlib.suppress(websockets.exceptions.ConnectionClosed):
+        async for data in upstream:
+            if isinstance(data, bytes):
+                await send({"type": "websocket.send", "bytes": data})
+            else:
+                await send({"type": "websocket.send", "text": data})
+    await send({"type": "websocket.close", "code": _sendable_close_code(upstream.close_code)})
+
+
+def _sendable_close_code(code: int | None) -> int:
+    """Codes such as 1005 (no status) and 1006 (abnormal closure) describe what happened
+    to a connection but may never be sent in a close frame (RFC 6455 §7.4.1)."""
+    if code is not None and (1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999):
+        return code
+    return 1000
 
 
 class SandboxTrafficMiddleware:
     """Pure ASGI middleware: sandbox traffic goes to the proxy, everything else to the
     wrapped application. (Pure ASGI rather than ``BaseHTTPMiddleware`` so streamed bodies
-    are never buffered.)"""
+    are never buffered, and WebSockets pass too.)"""
 
     def __init__(self, app: ASGIApp, proxy: SandboxProxy) -> None:
         self.app = app
         self.proxy = proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            request = Request(scope, receive)
-            target = self.proxy.target_of(request)
+        if scope["type"] in ("http", "websocket"):
+            target = target_of(Headers(scope=scope))
             if target is not None:
-                response = await self.proxy.forward(request, target)
-                await response(scope, receive, send)
+                if scope["type"] == "http":
+                    request = Request(scope, receive)
+                    response = await self.proxy.forward(request, target)
+                    await response(scope, receive, send)
+                else:
+                    await self.proxy.forward_websocket(scope, receive, send, target)
                 return
         await self.app(scope, receive, send)
