@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +42,16 @@ def _cleanup_host(home: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(test_root: Path) -> Iterator[ServerProcess]:
+def guest_image() -> None:
+    """Bring the guest image up to date with the sources (envd lives on its tools drive);
+    a no-op taking a second when nothing changed."""
+    subprocess.run(
+        [sys.executable, "-m", "agentenv.guest", "build"], check=True, stdout=subprocess.DEVNULL
+    )
+
+
+@pytest.fixture(scope="session")
+def server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     """One live server (real VMs) shared by the API tests of a session."""
     srv = ServerProcess(home=test_root / "node")
     try:

@@ -248,7 +248,7 @@ def test_list_paging(server: ServerProcess) -> None:
 
 
 # -- restart -------------------------------------------------------------------------------
-def test_restart_keeps_records_consistent(test_root: Path) -> None:
+def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) -> None:
     """A server restart re-adopts sandboxes whose VMM survived and cleans the rest."""
     srv = ServerProcess(home=test_root / "restart")
     srv.start()
