@@ -1,19 +1,26 @@
 """envd's ASGI application: a small router in front of connectrpc's applications.
 
-``/process.Process/*`` and ``/filesystem.Filesystem/*`` go to the Connect services; the
-plain HTTP endpoints (``/health``, ``/init``, ``/envs``) are answered here. Once /init
-has set an access token every request must carry it in ``X-Access-Token``, except
-/health, /init and /files (which E2B authenticates by signature instead).
+``/process.Process/*`` and ``/filesystem.Filesystem/*`` go to the Connect services,
+``/files`` to the file transfer handler; the other plain HTTP endpoints (``/health``,
+``/init``, ``/envs``, ``/metrics``) are answered here. Once /init has set an access token
+every request must carry it in ``X-Access-Token``, except /health, /init and /files
+(which also accepts a URL signature, checked by the handler).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from .files import FileTransfer
+from .metrics import MetricsSampler
 from .processes import ProcessRegistry
 from .state import EnvdState, InitError, InitRequest
+from .version import ENVD_VERSION
+
+logger = logging.getLogger("agentenv.envd")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -44,10 +51,29 @@ class EnvdApp:
         self.registry = registry
         self._process_app = process_app
         self._filesystem_app = filesystem_app
+        self._files = FileTransfer(state)
+        self._metrics = MetricsSampler()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are not served
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self._route(scope, receive, tracking_send)
+        except Exception:
+            # One bad request must never take envd down or leave the client hanging.
+            logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
+            if not started:
+                await _send_json(send, 500, {"code": 500, "message": "internal error"})
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
         is_rpc = path.startswith((PROCESS_PREFIX, FILESYSTEM_PREFIX))
@@ -64,14 +90,21 @@ class EnvdApp:
             return
 
         if path.startswith(PROCESS_PREFIX):
-            await self._process_app(scope, receive, send)
+            await self._process_app(scope, receive, _connect_error_bodies(send, path))
         elif path.startswith(FILESYSTEM_PREFIX):
-            await self._filesystem_app(scope, receive, send)
+            await self._filesystem_app(scope, receive, _connect_error_bodies(send, path))
         elif path == "/health":
             if method not in ("GET", "HEAD"):
                 await _method_not_allowed(send, "GET, HEAD")
                 return
-            await _send_empty(send, 204)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 204,
+                    "headers": [(b"x-envd-version", ENVD_VERSION.encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
         elif path == "/init":
             if method != "POST":
                 await _method_not_allowed(send, "POST")
@@ -83,9 +116,12 @@ class EnvdApp:
                 return
             await _send_json(send, 200, self.state.env_vars)
         elif path == "/files":
-            await _send_json(
-                send, 501, {"code": 501, "message": "file transfer is not implemented yet"}
-            )
+            await self._files(scope, receive, send)
+        elif path == "/metrics":
+            if method != "GET":
+                await _method_not_allowed(send, "GET")
+                return
+            await _send_json(send, 200, self._metrics.sample())
         else:
             await _send_json(send, 404, {"code": 404, "message": f"no route for {path}"})
 
@@ -101,6 +137,39 @@ class EnvdApp:
             await _send_json(send, 400, {"code": 400, "message": str(e)})
             return
         await _send_empty(send, 204)
+
+
+#: Bodyless rejections connectrpc's router sends, as Connect error codes.
+_ROUTER_ERRORS = {
+    404: ("unimplemented", "unknown procedure {path}"),
+    405: ("unimplemented", "{path} only accepts POST"),
+    415: ("invalid_argument", "unsupported content type for {path}"),
+}
+
+
+def _connect_error_bodies(send: Send, path: str) -> Send:
+    """Give connectrpc's empty routing rejections (unknown method, wrong HTTP method or
+    content type) a Connect JSON error body, so every client sees a proper code."""
+    pending: list[Message] = []
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            has_type = any(k.lower() == b"content-type" for k, _ in message.get("headers", ()))
+            if message["status"] in _ROUTER_ERRORS and not has_type:
+                pending.append(message)
+                return
+        elif pending and message["type"] == "http.response.body":
+            start = pending.pop()
+            if not message.get("body") and not message.get("more_body", False):
+                code, text = _ROUTER_ERRORS[start["status"]]
+                await _send_json(
+                    send, start["status"], {"code": code, "message": text.format(path=path)}
+                )
+                return
+            await send(start)
+        await send(message)
+
+    return wrapped
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -1,6 +1,6 @@
-"""``filesystem.Filesystem``: Stat, ListDir, MakeDir, Move and Remove over the guest's
-filesystem, with E2B's envd error codes (section 4.6 of the protocol reference).
-Directory watchers are not implemented yet and answer ``unimplemented``.
+"""``filesystem.Filesystem``: Stat, ListDir, MakeDir, Move, Remove and the directory
+watchers (WatchDir streams; CreateWatcher/GetWatcherEvents/RemoveWatcher poll) over the
+guest's filesystem, with E2B's envd error codes (section 4.6 of the protocol reference).
 
 envd runs as root, so paths are resolved for the request's user (``~``, relative paths)
 but access is not checked as that user; new directories are owned by them.
@@ -8,23 +8,42 @@ but access is not checked as that user; new directories are owned by them.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import errno
+import logging
 import os
+import secrets
 import shutil
 import stat
+from collections.abc import AsyncIterator
 from typing import Any
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
+from .fsaccess import run_as
 from .gen import filesystem_connect, filesystem_pb
-from .process_service import request_user
+from .process_service import keepalive_interval, request_user
 from .state import EnvdState
 from .users import OSUser, group_name, owner_name
+from .watchers import DirectoryWatcher, EventType, WatchError, WatchEvent, is_network_mount
+
+logger = logging.getLogger("agentenv.envd")
 
 _Ctx = RequestContext[Any, Any]
+
+METADATA_XATTR_PREFIX = "user.e2b."
+#: Events a polled watcher keeps between GetWatcherEvents calls; older ones are dropped.
+WATCHER_EVENT_CAPACITY = 10_000
+#: Polled watchers at once (each holds an inotify instance; the kernel default limit
+#: is 128 per user).
+MAX_POLLED_WATCHERS = 64
+#: Event types whose FilesystemEvent carries the entry when includeEntry is set.
+_ENTRY_EVENTS = frozenset({EventType.CREATE, EventType.WRITE, EventType.CHMOD})
 
 
 def go_mode_string(mode: int) -> str:
@@ -79,8 +98,26 @@ def entry_info(path: str, name: str | None = None) -> filesystem_pb.EntryInfo:
             seconds=info.st_mtime_ns // 1_000_000_000, nanos=info.st_mtime_ns % 1_000_000_000
         ),
         symlink_target=symlink_target,
+        metadata=read_metadata(path),
         is_symlink=is_symlink,
     )
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The ``user.e2b.*`` extended attributes of ``path``, keyed without the prefix."""
+    metadata: dict[str, str] = {}
+    try:
+        names = os.listxattr(path)
+    except OSError:
+        return metadata  # no xattr support, dangling link, ...
+    for name in names:
+        if name.startswith(METADATA_XATTR_PREFIX):
+            try:
+                value = os.getxattr(path, name)
+            except OSError:
+                continue
+            metadata[name[len(METADATA_XATTR_PREFIX) :]] = value.decode("utf-8", "replace")
+    return metadata
 
 
 def _os_error(e: OSError, path: str) -> ConnectError:
@@ -111,11 +148,57 @@ def _make_dirs(path: str, user: OSUser) -> None:
             os.chown(directory, user.uid, user.gid)
 
 
+class PolledWatcher:
+    """A watcher created by CreateWatcher: buffers events until GetWatcherEvents."""
+
+    def __init__(self, root: str, recursive: bool, include_entry: bool) -> None:
+        self.include_entry = include_entry
+        self.events: collections.deque[filesystem_pb.FilesystemEvent] = collections.deque(
+            maxlen=WATCHER_EVENT_CAPACITY
+        )
+        self.watcher = DirectoryWatcher(root, recursive=recursive, sink=self._add)
+
+    def _add(self, event: WatchEvent) -> None:
+        self.events.append(filesystem_event(event, self.include_entry))
+
+    def drain(self) -> list[filesystem_pb.FilesystemEvent]:
+        events = list(self.events)
+        self.events.clear()
+        return events
+
+
+def filesystem_event(event: WatchEvent, include_entry: bool) -> filesystem_pb.FilesystemEvent:
+    entry: filesystem_pb.EntryInfo | None = None
+    if include_entry and event.type in _ENTRY_EVENTS:
+        try:
+            entry = entry_info(event.path)
+        except OSError:
+            entry = None  # already gone again
+    return filesystem_pb.FilesystemEvent(
+        name=event.name, type=filesystem_pb.EventType(int(event.type)), entry=entry
+    )
+
+
+def _check_watchable(path: str) -> None:
+    """Runs as the user: the path must be a directory they can read."""
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    os.close(fd)
+
+
 class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
-    """``filesystem.Filesystem`` minus the watchers."""
+    """Implements every ``filesystem.Filesystem`` RPC."""
 
     def __init__(self, state: EnvdState) -> None:
         self._state = state
+        self._watchers: dict[str, PolledWatcher] = {}
+
+    def close(self) -> None:
+        for polled in self._watchers.values():
+            polled.watcher.close()
+        self._watchers.clear()
 
     def _resolve(self, path: str, ctx: _Ctx) -> tuple[str, OSUser]:
         user = request_user(self._state, ctx)
@@ -193,3 +276,78 @@ class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
         except OSError as e:
             raise _os_error(e, path) from None
         return filesystem_pb.RemoveResponse()
+
+    # -- watchers ------------------------------------------------------------------
+
+    async def _watch_target(self, path: str, allow_network_mounts: bool, ctx: _Ctx) -> str:
+        root, user = self._resolve(path, ctx)
+        try:
+            await run_as(user, _check_watchable, root)
+        except OSError as e:
+            raise _os_error(e, root) from None
+        if not allow_network_mounts and is_network_mount(root):
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"{root!r} is on a network mount; set allowNetworkMounts to watch it",
+            )
+        return root
+
+    async def watch_dir(
+        self, request: filesystem_pb.WatchDirRequest, ctx: _Ctx
+    ) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
+        root = await self._watch_target(request.path, request.allow_network_mounts, ctx)
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        try:
+            watcher = DirectoryWatcher(root, recursive=request.recursive, sink=queue.put_nowait)
+        except WatchError as e:
+            raise _os_error(e, root) from None
+        keepalive_s = keepalive_interval(ctx)
+        try:
+            yield filesystem_pb.WatchDirResponse(
+                event=Oneof("start", filesystem_pb.WatchDirResponse.StartEvent())
+            )
+            while True:
+                try:
+                    async with asyncio.timeout(keepalive_s):
+                        event = await queue.get()
+                except TimeoutError:
+                    yield filesystem_pb.WatchDirResponse(
+                        event=Oneof("keepalive", filesystem_pb.WatchDirResponse.KeepAlive())
+                    )
+                    continue
+                yield filesystem_pb.WatchDirResponse(
+                    event=Oneof("filesystem", filesystem_event(event, request.include_entry))
+                )
+        finally:
+            watcher.close()
+
+    async def create_watcher(self, request: filesystem_pb.CreateWatcherRequest, ctx: _Ctx) -> Any:
+        root = await self._watch_target(request.path, request.allow_network_mounts, ctx)
+        if len(self._watchers) >= MAX_POLLED_WATCHERS:
+            raise ConnectError(
+                Code.RESOURCE_EXHAUSTED, f"too many watchers (limit {MAX_POLLED_WATCHERS})"
+            )
+        try:
+            polled = PolledWatcher(root, request.recursive, request.include_entry)
+        except WatchError as e:
+            raise _os_error(e, root) from None
+        watcher_id = secrets.token_hex(8)
+        self._watchers[watcher_id] = polled
+        return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
+
+    async def get_watcher_events(
+        self, request: filesystem_pb.GetWatcherEventsRequest, ctx: _Ctx
+    ) -> Any:
+        request_user(self._state, ctx)
+        polled = self._watchers.get(request.watcher_id)
+        if polled is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found")
+        return filesystem_pb.GetWatcherEventsResponse(events=polled.drain())
+
+    async def remove_watcher(self, request: filesystem_pb.RemoveWatcherRequest, ctx: _Ctx) -> Any:
+        request_user(self._state, ctx)
+        polled = self._watchers.pop(request.watcher_id, None)
+        if polled is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found")
+        polled.watcher.close()
+        return filesystem_pb.RemoveWatcherResponse()

@@ -491,6 +491,7 @@ class ProcessRegistry:
                 env=dict(launch.env),
                 start_new_session=True,
                 close_fds=True,
+                umask=0o022,
                 user=credentials[0],
                 group=credentials[1],
                 extra_groups=credentials[2],

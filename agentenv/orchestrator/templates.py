@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from agentenv.config import Config
+from agentenv.envd.version import ENVD_VERSION
 from agentenv.guest import GuestImage, kernel_cmdline, load_guest_image
 from agentenv.network import NetworkManager, SandboxNetwork
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
@@ -42,9 +43,6 @@ from agentenv.vmm.base import (
 log = logging.getLogger("agentenv.templates")
 
 BASE_TEMPLATE = "base"
-# What we tell SDKs about the in-guest agent; it gates client-side features (see the E2B
-# protocol reference §4.9). Raised as envd implements more of the protocol.
-ENVD_VERSION = "0.2.0"
 
 
 @dataclass(frozen=True)
