@@ -4,17 +4,23 @@ HTTP to check the wire framing the SDK depends on."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
+import gzip
+import hashlib
+import io
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,11 +31,28 @@ import pytest
 from connectrpc.code import Code
 from connectrpc.codec import proto_json_codec
 from connectrpc.errors import ConnectError
+from e2b.api.client_sync import get_envd_api
+from e2b.connection_config import ConnectionConfig
+from e2b.exceptions import FileNotFoundException
+from e2b.sandbox.commands.command_handle import PtySize
+from e2b.sandbox_sync.commands.command import Commands
+from e2b.sandbox_sync.commands.pty import Pty
+from e2b.sandbox_sync.filesystem.filesystem import Filesystem
+from packaging.version import Version
 from protobuf import Oneof
 
+from agentenv.envd.files import file_signature
 from agentenv.envd.filesystem_service import go_mode_string
 from agentenv.envd.gen.filesystem_connect import FilesystemClient
-from agentenv.envd.gen.filesystem_pb import FileType, StatRequest
+from agentenv.envd.gen.filesystem_pb import (
+    CreateWatcherRequest,
+    EventType,
+    FileType,
+    GetWatcherEventsRequest,
+    RemoveWatcherRequest,
+    StatRequest,
+    WatchDirRequest,
+)
 from agentenv.envd.gen.process_connect import ProcessClient
 from agentenv.envd.gen.process_pb import (
     PTY,
@@ -43,8 +66,10 @@ from agentenv.envd.gen.process_pb import (
     SendSignalRequest,
     Signal,
     StartRequest,
+    StreamInputRequest,
     UpdateRequest,
 )
+from agentenv.envd.multipart import MultipartParser, PartData, PartEnd, PartStart
 from agentenv.envd.processes import ProcessExit
 from agentenv.envd.state import InitError, InitRequest
 
@@ -575,3 +600,583 @@ def test_go_mode_string() -> None:
     assert go_mode_string(stat.S_IFREG | stat.S_ISUID | 0o755) == "urwxr-xr-x"
     assert go_mode_string(stat.S_IFCHR | 0o666) == "Dcrw-rw-rw-"
     assert go_mode_string(stat.S_IFDIR | stat.S_ISVTX | 0o777) == "dtrwxrwxrwx"
+
+
+# -- /files --------------------------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_files_round_trip_text_and_bytes(envd: Envd, tmp_path: Path) -> None:
+    target = tmp_path / "new" / "dir" / "a.txt"
+    written = httpx.post(
+        f"{envd.url}/files",
+        params={"path": str(target)},
+        files={"file": (str(target), b"hello\n", "text/plain")},
+    )
+    assert written.status_code == 200, written.text
+    assert written.json() == [{"path": str(target), "name": "a.txt", "type": "file"}]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+    read = httpx.get(f"{envd.url}/files", params={"path": str(target)})
+    assert read.status_code == 200
+    assert read.content == b"hello\n"
+    assert read.headers["content-type"].startswith("text/plain")
+    assert read.headers["content-disposition"] == 'inline; filename="a.txt"'
+
+    blob = bytes(range(256)) * 3
+    raw = httpx.post(
+        f"{envd.url}/files",
+        params={"path": str(tmp_path / "b.bin")},
+        content=blob,
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert raw.status_code == 200, raw.text
+    read = httpx.get(
+        f"{envd.url}/files",
+        params={"path": str(tmp_path / "b.bin")},
+        headers={"Accept-Encoding": "identity"},
+    )
+    assert read.content == blob
+    assert read.headers["content-type"] == "application/octet-stream"
+    assert read.headers["content-length"] == str(len(blob))
+    # No staging files are left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin", "new"]
+
+
+def test_files_range_gzip_and_errors(envd: Envd, tmp_path: Path) -> None:
+    target = tmp_path / "r.txt"
+    target.write_bytes(b"0123456789" * 100)
+    url = f"{envd.url}/files"
+    part = httpx.get(url, params={"path": str(target)}, headers={"Range": "bytes=5-14"})
+    assert part.status_code == 206
+    assert part.content == b"5678901234"
+    assert part.headers["content-range"] == "bytes 5-14/1000"
+    suffix = httpx.get(url, params={"path": str(target)}, headers={"Range": "bytes=-3"})
+    assert suffix.content == b"789"
+    bad = httpx.get(url, params={"path": str(target)}, headers={"Range": "bytes=5000-"})
+    assert bad.status_code == 416
+
+    with httpx.Client() as http:
+        request = http.build_request(
+            "GET", url, params={"path": str(target)}, headers={"Accept-Encoding": "gzip"}
+        )
+        response = http.send(request, stream=True)
+        compressed = b"".join(response.iter_raw())
+        assert response.headers["content-encoding"] == "gzip"
+        assert gzip.decompress(compressed) == target.read_bytes()
+    refused = httpx.get(url, params={"path": str(target)}, headers={"Accept-Encoding": "br, *;q=0"})
+    assert refused.status_code == 406
+
+    missing = httpx.get(url, params={"path": str(tmp_path / "nope")})
+    assert missing.status_code == 404
+    assert missing.json()["code"] == 404
+    assert httpx.get(url, params={"path": str(tmp_path)}).status_code == 400
+    assert httpx.get(url, params={"path": "/etc", "username": "no-such-user-x"}).status_code == 401
+    assert httpx.get(url).status_code == 400
+
+
+def test_files_home_relative_paths(envd: Envd) -> None:
+    home = Path(pwd.getpwuid(os.geteuid()).pw_dir)
+    name = f".envd-test-{os.getpid()}.txt"
+    try:
+        written = httpx.post(
+            f"{envd.url}/files",
+            params={"path": name},
+            content=b"home",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert written.json()[0]["path"] == str(home / name)
+        assert httpx.get(f"{envd.url}/files", params={"path": f"~/{name}"}).content == b"home"
+    finally:
+        (home / name).unlink(missing_ok=True)
+
+
+def test_files_large_upload_and_download_stream(envd: Envd, tmp_path: Path) -> None:
+    size = 10 * 1024 * 1024
+    chunk = os.urandom(64 * 1024)
+    digest = hashlib.sha256(chunk * (size // len(chunk))).hexdigest()
+    target = tmp_path / "big.bin"
+    before = rss_bytes(envd.proc.pid)
+
+    def body() -> Iterator[bytes]:
+        for _ in range(size // len(chunk)):
+            yield chunk
+
+    written = httpx.post(
+        f"{envd.url}/files",
+        params={"path": str(target)},
+        content=body(),
+        headers={"Content-Type": "application/octet-stream"},
+        timeout=60,
+    )
+    assert written.status_code == 200, written.text
+    assert target.stat().st_size == size
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == digest
+
+    sha = hashlib.sha256()
+    with httpx.stream(
+        "GET",
+        f"{envd.url}/files",
+        params={"path": str(target)},
+        headers={"Accept-Encoding": "identity"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-length"] == str(size)
+        for data in response.iter_bytes():
+            sha.update(data)
+    assert sha.hexdigest() == digest
+    # Streamed both ways: envd never held the file in memory.
+    assert rss_bytes(envd.proc.pid) - before < size // 2
+
+
+def multipart_body(parts: list[tuple[str, str, bytes]], boundary: str = "XyZ") -> bytes:
+    out = b"preamble\r\n"
+    for name, filename, data in parts:
+        out += (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; '
+                f'filename="{filename}"\r\nContent-Type: application/octet-stream\r\n\r\n'
+            ).encode()
+            + data
+            + b"\r\n"
+        )
+    return out + f"--{boundary}--\r\n".encode()
+
+
+def test_files_multipart_several_files(envd: Envd, tmp_path: Path) -> None:
+    a, b = tmp_path / "m" / "a.txt", tmp_path / "m" / "sub" / "b.bin"
+    body = multipart_body(
+        [("file", str(a), b"A" * 70000), ("other", "ignored", b"x"), ("file", str(b), b"\r\n--X")]
+    )
+    response = httpx.post(
+        f"{envd.url}/files",
+        content=body,
+        headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+    )
+    assert response.status_code == 200, response.text
+    assert [f["path"] for f in response.json()] == [str(a), str(b)]
+    assert a.read_bytes() == b"A" * 70000
+    assert b.read_bytes() == b"\r\n--X"
+
+    duplicate = multipart_body([("file", str(a), b"1"), ("file", str(a), b"2")])
+    response = httpx.post(
+        f"{envd.url}/files",
+        content=duplicate,
+        headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+    )
+    assert response.status_code == 400
+    assert a.read_bytes() == b"A" * 70000  # all or nothing
+
+    # The path query wins over the part's filename.
+    c = tmp_path / "c.txt"
+    response = httpx.post(
+        f"{envd.url}/files", params={"path": str(c)}, files={"file": ("whatever.txt", b"C")}
+    )
+    assert response.json()[0]["path"] == str(c) and c.read_bytes() == b"C"
+
+    onto_dir = httpx.post(
+        f"{envd.url}/files", params={"path": str(tmp_path)}, files={"file": ("x", b"C")}
+    )
+    assert onto_dir.status_code == 400
+    truncated = httpx.post(
+        f"{envd.url}/files",
+        content=body[:-10],
+        headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+    )
+    assert truncated.status_code == 400
+    assert not list((tmp_path / "m").glob(".envd-upload-*"))
+
+
+def test_files_octet_stream_gzip_and_metadata(envd: Envd, tmp_path: Path) -> None:
+    target = tmp_path / "g.txt"
+    data = b"compress me " * 5000
+    response = httpx.post(
+        f"{envd.url}/files",
+        params={"path": str(target)},
+        content=gzip.compress(data),
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Content-Encoding": "gzip",
+            "X-Metadata-Owner-Team": "Infra",
+        },
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()[0]["metadata"] == {"owner-team": "Infra"}
+    assert target.read_bytes() == data
+    assert os.getxattr(target, "user.e2b.owner-team") == b"Infra"
+    bad = httpx.post(
+        f"{envd.url}/files",
+        params={"path": str(target)},
+        content=b"not gzip",
+        headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+    )
+    assert bad.status_code == 400
+    no_path = httpx.post(
+        f"{envd.url}/files", content=b"x", headers={"Content-Type": "application/octet-stream"}
+    )
+    assert no_path.status_code == 400
+
+
+async def test_stat_reports_metadata(envd: Envd, tmp_path: Path) -> None:
+    target = tmp_path / "meta.txt"
+    target.write_bytes(b"m")
+    os.setxattr(target, "user.e2b.k", b"v")
+    async with FilesystemClient(envd.url, codec=proto_json_codec(), send_compression=None) as fs:
+        entry = (await fs.stat(StatRequest(path=str(target)))).entry
+    assert dict(entry.metadata) == {"k": "v"}
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory other users can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="envd-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_files_use_the_users_permissions(envd: Envd, shared_dir: Path) -> None:
+    nobody = pwd.getpwnam("nobody")
+    secret = shared_dir / "secret"
+    secret.write_bytes(b"root only")
+    secret.chmod(0o600)
+    url = f"{envd.url}/files"
+    denied = httpx.get(url, params={"path": str(secret), "username": "nobody"})
+    assert denied.status_code == 401
+    assert "permission denied" in denied.json()["message"]
+    assert httpx.get(url, params={"path": str(secret), "username": "root"}).content == b"root only"
+
+    # nobody cannot write into root's directory, nor create directories there.
+    for path in (shared_dir / "x.txt", shared_dir / "d" / "x.txt", Path("/etc/envd-test-x")):
+        response = httpx.post(
+            url, params={"path": str(path), "username": "nobody"}, files={"file": ("x", b"x")}
+        )
+        assert response.status_code == 401, path
+        assert not path.exists()
+
+    writable = shared_dir / "open"
+    writable.mkdir()
+    os.chown(writable, nobody.pw_uid, nobody.pw_gid)
+    target = writable / "new" / "f.txt"
+    response = httpx.post(
+        url, params={"path": str(target), "username": "nobody"}, files={"file": ("f", b"hi")}
+    )
+    assert response.status_code == 200, response.text
+    for created in (target, target.parent):
+        info = created.stat()
+        assert (info.st_uid, info.st_gid) == (nobody.pw_uid, nobody.pw_gid)
+    # envd's own threads got their root credentials back.
+    assert httpx.get(url, params={"path": str(secret)}).content == b"root only"
+
+
+def test_files_signatures(fresh_envd: Envd, tmp_path: Path) -> None:
+    target = tmp_path / "signed.txt"
+    target.write_bytes(b"signed")
+    url = f"{fresh_envd.url}/files"
+    assert httpx.post(f"{fresh_envd.url}/init", json={"accessToken": "tok"}).status_code == 204
+    path = str(target)
+    assert httpx.get(url, params={"path": path}).status_code == 401
+    assert (
+        httpx.get(url, params={"path": path}, headers={"X-Access-Token": "tok"}).status_code == 200
+    )
+
+    future = str(int(time.time()) + 300)
+    good = {
+        "path": path,
+        "signature": file_signature(path, "read", "", "tok", future),
+        "signature_expiration": future,
+    }
+    assert httpx.get(url, params=good).content == b"signed"
+    # A present header must match even when the signature is good.
+    assert httpx.get(url, params=good, headers={"X-Access-Token": "no"}).status_code == 401
+    # Signed for another operation, user, path or an expired time: rejected.
+    past = str(int(time.time()) - 5)
+    for bad in (
+        {**good, "signature": file_signature(path, "write", "", "tok", future)},
+        {**good, "username": "root"},
+        {**good, "path": path + "x"},
+        {
+            **good,
+            "signature": file_signature(path, "read", "", "tok", past),
+            "signature_expiration": past,
+        },
+    ):
+        assert httpx.get(url, params=bad).status_code == 401
+    no_expiry = {"path": path, "signature": file_signature(path, "read", "", "tok", None)}
+    assert httpx.get(url, params=no_expiry).status_code == 200
+
+    upload = str(tmp_path / "up.txt")
+    signed_write = {
+        "path": upload,
+        "username": "root",
+        "signature": file_signature(upload, "write", "root", "tok", None),
+    }
+    assert httpx.post(url, params=signed_write, files={"file": ("f", b"w")}).status_code == 200
+    assert Path(upload).read_bytes() == b"w"
+
+
+def test_multipart_parser_byte_by_byte() -> None:
+    body = multipart_body([("file", "/a/b", b"one\r\n--Xy-not"), ("file", 'q\\"x', b"")])
+    parser = MultipartParser("XyZ")
+    events = []
+    for i in range(len(body)):
+        events += parser.feed(body[i : i + 1])
+    parser.finish()
+    starts = [e for e in events if isinstance(e, PartStart)]
+    assert [(s.name, s.filename) for s in starts] == [("file", "/a/b"), ("file", 'q"x')]
+    data = b"".join(e.data for e in events if isinstance(e, PartData))
+    assert data == b"one\r\n--Xy-not"
+    assert sum(isinstance(e, PartEnd) for e in events) == 2
+
+
+# -- watchers ----------------------------------------------------------------------------
+
+
+async def test_watch_dir_stream(envd: Envd, tmp_path: Path) -> None:
+    (tmp_path / "old.txt").write_bytes(b"o")
+    async with FilesystemClient(envd.url, codec=proto_json_codec(), send_compression=None) as fs:
+        stream = fs.watch_dir(
+            WatchDirRequest(path=str(tmp_path), recursive=True, include_entry=True),
+            headers={"Keepalive-Ping-Interval": "1"},
+        )
+        assert (await anext(stream)).event.field == "start"
+        (tmp_path / "sub").mkdir()
+        await asyncio.sleep(0.2)  # lets the new directory's watch go in first
+        (tmp_path / "sub" / "n.txt").write_bytes(b"new")
+        (tmp_path / "old.txt").rename(tmp_path / "renamed.txt")
+        (tmp_path / "renamed.txt").chmod(0o600)
+        (tmp_path / "renamed.txt").unlink()
+        expected = {
+            ("sub", EventType.CREATE),
+            ("sub/n.txt", EventType.CREATE),
+            ("sub/n.txt", EventType.WRITE),
+            ("old.txt", EventType.RENAME),
+            ("renamed.txt", EventType.CREATE),
+            ("renamed.txt", EventType.CHMOD),
+            ("renamed.txt", EventType.REMOVE),
+        }
+        seen: dict[tuple[str, Any], Any] = {}
+        async with asyncio.timeout(20):
+            while not expected <= seen.keys():
+                response = await anext(stream)
+                if response.event.field == "filesystem":
+                    event = response.event.value
+                    seen[(event.name, event.type)] = event
+        await stream.aclose()
+    created = seen[("sub/n.txt", EventType.CREATE)]
+    assert created.entry is not None and created.entry.path == str(tmp_path / "sub" / "n.txt")
+    assert seen[("old.txt", EventType.RENAME)].entry is None
+
+
+async def test_polled_watcher(envd: Envd, tmp_path: Path) -> None:
+    async with FilesystemClient(envd.url, codec=proto_json_codec(), send_compression=None) as fs:
+        created = await fs.create_watcher(CreateWatcherRequest(path=str(tmp_path)))
+        watcher_id = created.watcher_id
+        (tmp_path / "f.txt").write_bytes(b"x")
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "deep.txt").write_bytes(b"x")  # not recursive: unseen
+        names: set[tuple[str, Any]] = set()
+        async with asyncio.timeout(20):
+            while not {("f.txt", EventType.CREATE), ("f.txt", EventType.WRITE)} <= names:
+                events = await fs.get_watcher_events(GetWatcherEventsRequest(watcher_id=watcher_id))
+                names |= {(e.name, e.type) for e in events.events}
+                await asyncio.sleep(0.05)
+        assert ("d", EventType.CREATE) in names
+        assert not any(name.startswith("d/") for name, _ in names)
+        await fs.remove_watcher(RemoveWatcherRequest(watcher_id=watcher_id))
+        with pytest.raises(ConnectError) as raised:
+            await fs.get_watcher_events(GetWatcherEventsRequest(watcher_id=watcher_id))
+        assert raised.value.code == Code.NOT_FOUND
+
+        with pytest.raises(ConnectError) as raised:
+            await fs.create_watcher(CreateWatcherRequest(path=str(tmp_path / "missing")))
+        assert raised.value.code == Code.NOT_FOUND
+        with pytest.raises(ConnectError) as raised:
+            await fs.create_watcher(CreateWatcherRequest(path=str(tmp_path / "f.txt")))
+        assert raised.value.code == Code.INVALID_ARGUMENT
+        with pytest.raises(ConnectError) as raised:
+            await anext(fs.watch_dir(WatchDirRequest(path=str(tmp_path / "missing"))))
+        assert raised.value.code == Code.NOT_FOUND
+
+
+# -- processes: PTY, StreamInput ---------------------------------------------------------
+
+
+async def test_pty_kill(client: ProcessClient) -> None:
+    stream = client.start(
+        StartRequest(
+            process=ProcessConfig(cmd="/bin/bash", args=["-i", "-l"]),
+            pty=PTY(size=PTY.Size(cols=80, rows=24)),
+        )
+    )
+    selector = by_pid((await anext(stream)).event.event.value.pid)
+    await client.send_input(
+        SendInputRequest(
+            process=selector, input=ProcessInput(input=Oneof("pty", b"echo ready-$((6*7))\r"))
+        )
+    )
+    await read_pty_until(stream, "ready-42")
+    await client.send_signal(SendSignalRequest(process=selector, signal=Signal.SIGKILL))
+    end = end_of(await collect(stream))
+    assert (end.exit_code, end.exited, end.status) == (-1, False, "signal: killed")
+
+
+async def test_stream_input(client: ProcessClient) -> None:
+    stream = client.start(
+        StartRequest(process=ProcessConfig(cmd="/bin/cat"), stdin=True, tag="streamer")
+    )
+    pid = (await anext(stream)).event.event.value.pid
+    listed = await client.list(ListRequest())
+    assert [p.tag for p in listed.processes if p.pid == pid] == ["streamer"]
+    selector = ProcessSelector(selector=Oneof("tag", "streamer"))
+
+    async def inputs() -> AsyncIterator[StreamInputRequest]:
+        yield StreamInputRequest(
+            event=Oneof("start", StreamInputRequest.StartEvent(process=selector))
+        )
+        for word in (b"one ", b"two\n"):
+            data = StreamInputRequest.DataEvent(input=ProcessInput(input=Oneof("stdin", word)))
+            yield StreamInputRequest(event=Oneof("data", data))
+        yield StreamInputRequest(event=Oneof("keepalive", StreamInputRequest.KeepAlive()))
+
+    await client.stream_input(inputs())
+    await client.close_stdin(CloseStdinRequest(process=selector))
+    events = await collect(stream)
+    assert output(events, "stdout") == b"one two\n"
+    assert end_of(events).exit_code == 0
+
+
+async def test_process_umask_and_groups(client: ProcessClient) -> None:
+    events = await collect(client.start(bash("umask; id -G")))
+    lines = output(events, "stdout").decode().split("\n")
+    assert lines[0] == "0022"
+    expected = sorted(os.getgrouplist(pwd.getpwuid(os.geteuid()).pw_name, os.getegid()))
+    assert sorted(int(g) for g in lines[1].split()) == sorted(set(expected))
+
+
+# -- metrics, version, robustness ----------------------------------------------------------
+
+
+def test_metrics_and_version(envd: Envd) -> None:
+    first = httpx.get(f"{envd.url}/metrics").json()
+    metrics = httpx.get(f"{envd.url}/metrics").json()
+    assert (
+        set(metrics)
+        == set(first)
+        == {
+            "ts",
+            "cpu_count",
+            "cpu_used_pct",
+            "mem_total",
+            "mem_used",
+            "mem_cache",
+            "mem_total_mib",
+            "mem_used_mib",
+            "disk_used",
+            "disk_total",
+        }
+    )
+    assert metrics["cpu_count"] == os.cpu_count()
+    assert 0 <= metrics["cpu_used_pct"] <= 100
+    assert 0 < metrics["mem_used"] < metrics["mem_total"]
+    assert metrics["mem_total_mib"] == metrics["mem_total"] // (1024 * 1024)
+    assert 0 < metrics["disk_used"] <= metrics["disk_total"]
+    assert abs(metrics["ts"] - time.time()) < 3600
+    health = httpx.get(f"{envd.url}/health")
+    assert health.headers["x-envd-version"] == "0.6.4"
+
+
+def test_malformed_requests_keep_envd_serving(envd: Envd) -> None:
+    stream_headers = {"Content-Type": STREAM_CONTENT_TYPE}
+    start = f"{envd.url}/process.Process/Start"
+    for body in (
+        b"\x00\x00\x00\x00\x10{",
+        b"\x00\x00\x00\x00\x02{x",
+        b"\x00\x00",
+        b"\x00\x00\x00\x00\x02[]",
+        b"\x80\x00\x00\x00\x02{}",  # a flag no client may set
+    ):
+        response = httpx.post(start, content=body, headers=stream_headers)
+        frames = parse_envelopes(response.content)
+        assert frames[-1][0] == 0x02
+        assert frames[-1][1]["error"]["code"] == "invalid_argument", body
+    unary = {"Content-Type": "application/json"}
+    bad_json = httpx.post(f"{envd.url}/process.Process/List", content=b"{nope", headers=unary)
+    assert (bad_json.status_code, bad_json.json()["code"]) == (400, "invalid_argument")
+    bad_type = httpx.post(
+        f"{envd.url}/filesystem.Filesystem/Stat", content=b'{"path": 5}', headers=unary
+    )
+    assert bad_type.json()["code"] == "invalid_argument"
+    unknown = httpx.post(f"{envd.url}/process.Process/Nope", content=b"{}", headers=unary)
+    assert (unknown.status_code, unknown.json()["code"]) == (404, "unimplemented")
+    nowhere = httpx.get(f"{envd.url}/no/such/path")
+    assert (nowhere.status_code, nowhere.json()["code"]) == (404, 404)
+    try:
+        huge = httpx.get(f"{envd.url}/health", headers={"X-Huge": "a" * 200_000})
+        assert huge.status_code >= 400
+    except httpx.TransportError:
+        pass  # the server may close before reading the whole header block
+    assert httpx.get(f"{envd.url}/health").status_code == 204
+    assert envd.proc.poll() is None
+
+
+# -- the unmodified E2B SDK against envd -----------------------------------------------
+
+
+def test_unmodified_e2b_sdk(envd: Envd, tmp_path: Path) -> None:
+    # The SDK's own sync clients, pointed straight at envd (no control plane in between).
+    url, root = envd.url, str(tmp_path)
+    config = ConnectionConfig(api_key="unused", request_timeout=20)
+    api = get_envd_api(config, url)
+    version = Version("0.6.4")
+    fs = Filesystem(url, version, config, api)
+    fs.write(root + "/a.txt", "text")
+    assert fs.read(root + "/a.txt") == "text"
+    infos = fs.write_files(
+        [{"path": root + "/m/b.txt", "data": "B"}, {"path": root + "/m/c.bin", "data": b"C"}]
+    )
+    assert [i.name for i in infos] == ["b.txt", "c.bin"]
+    info = fs.write(root + "/s.bin", io.BytesIO(b"streamed"), metadata={"Team": "x"})
+    assert info.metadata == {"team": "x"}
+    assert fs.get_info(root + "/s.bin").metadata == {"team": "x"}
+    fs.write(root + "/g.txt", "z" * 10000, gzip=True)
+    assert fs.read(root + "/g.txt", gzip=True) == "z" * 10000
+    assert bytes(fs.read(root + "/s.bin", format="bytes")) == b"streamed"
+    with pytest.raises(FileNotFoundException):
+        fs.read(root + "/missing")
+    watcher = fs.watch_dir(root, recursive=True)
+    fs.write(root + "/m/w.txt", "w")
+    events: set[tuple[str, str]] = set()
+    for _ in range(100):
+        events |= {(e.name, e.type.value) for e in watcher.get_new_events()}
+        if ("m/w.txt", "write") in events:
+            break
+        time.sleep(0.05)
+    watcher.stop()
+    assert {("m/w.txt", "create"), ("m/w.txt", "write")} <= events, events
+
+    commands = Commands(url, config, version, api)
+    assert commands.run("echo hi").stdout == "hi\n"
+    handle = commands.run("cat", background=True, stdin=True)
+    commands.send_stdin(handle.pid, "piped\n")
+    commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "piped\n"
+    assert commands.kill(2**31 - 1) is False
+
+    pty = Pty(url, config, version, api)
+    out: list[bytes] = []
+    terminal = pty.create(PtySize(rows=24, cols=80))
+    pty.resize(terminal.pid, PtySize(rows=33, cols=111))
+    pty.send_stdin(terminal.pid, b"stty size; exit 0\n")
+    result = terminal.wait(on_pty=lambda data: out.append(bytes(data)))
+    assert b"33 111" in b"".join(out), out
+    assert result.exit_code == 0

@@ -234,10 +234,26 @@ def create_app(state: EnvdState, registry: ProcessRegistry) -> EnvdApp:
     from .gen.filesystem_connect import FilesystemASGIApplication
     from .gen.process_connect import ProcessASGIApplication
     from .process_service import ProcessService
+    from .rpc import DeadlineInterceptor, EnvelopeCheck, strict_codecs
 
+    interceptors = (DeadlineInterceptor(),)
     return EnvdApp(
         state,
         registry,
-        process_app=ProcessASGIApplication(ProcessService(state, registry), compressions=()),
-        filesystem_app=FilesystemASGIApplication(FilesystemService(state), compressions=()),
+        process_app=EnvelopeCheck(
+            ProcessASGIApplication(
+                ProcessService(state, registry),
+                interceptors=interceptors,
+                compressions=(),
+                codecs=strict_codecs(),
+            )
+        ),
+        filesystem_app=EnvelopeCheck(
+            FilesystemASGIApplication(
+                FilesystemService(state),
+                interceptors=interceptors,
+                compressions=(),
+                codecs=strict_codecs(),
+            )
+        ),
     )

@@ -383,7 +383,7 @@ class ManagedProcess:
         else:
             self.exit = ProcessExit.from_wait_status(self._wait_status)
         if self._stdin is not None:
-            self._stdin.abort()
+            _abort_stdin(self._stdin)
             self._stdin = None
             self._pty_fd = None
         self.publish(self.exit)
@@ -439,7 +439,14 @@ class ManagedProcess:
         for transport in self._read_transports:
             transport.close()
         if self._stdin is not None:
-            self._stdin.abort()
+            _abort_stdin(self._stdin)
+
+
+def _abort_stdin(stdin: asyncio.WriteTransport) -> None:
+    """Drop unwritten input. A pipe transport that already saw its reader go away is
+    closing itself; aborting it again makes CPython 3.11 run connection_lost twice."""
+    if not stdin.is_closing():
+        stdin.abort()
 
 
 class ProcessRegistry:

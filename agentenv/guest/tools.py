@@ -30,8 +30,8 @@ PYTHON_EXTRA_PACKAGES: tuple[str, ...] = ("libgcc-s1", "libstdc++6")
 LIBRARY_DIRS: tuple[str, ...] = ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu")
 # Used when agentenv runs from an installed wheel rather than the repository.
 DEFAULT_ENVD_REQUIREMENTS: tuple[str, ...] = (
-    "connectrpc>=0.13",
-    "protobuf-py>=0.7",
+    "connectrpc>=0.12.1,<0.13",
+    "protobuf-py>=0.6,<0.7",
     "uvicorn>=0.29",
 )
 # Loaded by aenv-init for container, FUSE and firewall workloads (virtio ones are in initrd).
