@@ -95,13 +95,9 @@ class Config:
         return hashlib.sha256(str(self.home.resolve()).encode()).hexdigest()[:4]
 
     @property
-    def subnet(self) -> str:
-        """Host-side address range for sandbox veths; derived from the instance tag unless
-        configured, so side-by-side servers do not collide."""
-        if self.net_subnet:
-            return self.net_subnet
-        second_octet = 128 + int(self.instance_tag, 16) % 64
-        return f"10.{second_octet}.0.0/16"
+    def subnet_path(self) -> Path:
+        """Where a server records the veth address range it chose at its first start."""
+        return self.home / "subnet"
 
     # -- loading -------------------------------------------------------------------------
     @classmethod

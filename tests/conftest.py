@@ -12,6 +12,7 @@ import pytest
 
 from agentenv.config import Config
 from agentenv.network import NetworkManager
+from agentenv.orchestrator.orchestrator import resolve_subnet
 from tests.helpers import ServerProcess, kill_vmms
 
 
@@ -37,7 +38,7 @@ def _cleanup_host(home: Path) -> None:
     config = Config.load(env={}, home=home)
     import asyncio
 
-    manager = NetworkManager(prefix=f"ae{config.instance_tag}", subnet=config.subnet)
+    manager = NetworkManager(prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config))
     asyncio.run(manager.reclaim(set()))
 
 

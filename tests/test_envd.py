@@ -851,7 +851,7 @@ def test_files_use_the_users_permissions(envd: Envd, shared_dir: Path) -> None:
     secret.chmod(0o600)
     url = f"{envd.url}/files"
     denied = httpx.get(url, params={"path": str(secret), "username": "nobody"})
-    assert denied.status_code == 401
+    assert denied.status_code == 403
     assert "permission denied" in denied.json()["message"]
     assert httpx.get(url, params={"path": str(secret), "username": "root"}).content == b"root only"
 
@@ -860,7 +860,7 @@ def test_files_use_the_users_permissions(envd: Envd, shared_dir: Path) -> None:
         response = httpx.post(
             url, params={"path": str(path), "username": "nobody"}, files={"file": ("x", b"x")}
         )
-        assert response.status_code == 401, path
+        assert response.status_code == 403, path
         assert not path.exists()
 
     writable = shared_dir / "open"

@@ -9,6 +9,7 @@ GUEST_IP arrives in the fake guest exactly as it would reach a VM.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import secrets
 import shutil
@@ -21,7 +22,7 @@ import pytest
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agentenv.network import NetworkError, NetworkManager, SandboxNetwork
+from agentenv.network import NetworkError, NetworkManager, SandboxNetwork, pick_free_subnet
 from agentenv.network.addresses import GUEST_GATEWAY, GUEST_IP, GUEST_MAC, GUEST_PREFIX, TAP_NAME
 
 needs_root = pytest.mark.skipif(
@@ -397,3 +398,17 @@ async def test_cancelled_create_leaves_nothing_behind(manager: NetworkManager) -
         if cancelled >= 3:
             break
     assert cancelled > 0
+
+
+@needs_root
+def test_pick_free_subnet_skips_blocks_in_use() -> None:
+    first = pick_free_subnet(0)
+    assert ipaddress.IPv4Network(first).subnet_of(ipaddress.IPv4Network("10.128.0.0/9"))
+    manager = NetworkManager(prefix="aepick", subnet=first)
+    asyncio.run(manager.create(0))
+    try:
+        # The block now carries an address, so the same search moves past it.
+        assert pick_free_subnet(0) != first
+    finally:
+        asyncio.run(manager.destroy(0))
+    assert pick_free_subnet(0) == first

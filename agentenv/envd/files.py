@@ -9,8 +9,8 @@ upload creates belong to that user, and a user can never read or write what the 
 not let them.
 
 Errors are JSON ``{"code": <http status>, "message": ...}``: 400 bad request or a
-directory, 401 unknown user, bad token or signature, or permission denied (the SDK then
-raises AuthenticationException with the message), 404 missing, 406 no acceptable
+directory, 401 unknown user, bad token or signature, 403 permission denied (the SDK
+raises SandboxException "403: permission denied ..."), 404 missing, 406 no acceptable
 encoding, 416 bad range, 507 out of space.
 """
 
@@ -85,7 +85,7 @@ def os_error_response(e: OSError, path: str) -> FileRequestError:
     if e.errno == errno.EISDIR:
         return FileRequestError(400, f"path {path!r} is a directory")
     if e.errno in (errno.EACCES, errno.EPERM):
-        return FileRequestError(401, f"permission denied for {path!r}: {reason}")
+        return FileRequestError(403, f"permission denied for {path!r}: {reason}")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return FileRequestError(507, f"not enough disk space to write {path!r}: {reason}")
     if e.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL, errno.EEXIST):

@@ -4,6 +4,11 @@ crash. The guest always sees the same address, so restored and forked copies wor
 unchanged. It knows nothing about VMs or sandbox records beyond a slot number.
 """
 
-from agentenv.network.manager import NetworkError, NetworkManager, SandboxNetwork
+from agentenv.network.manager import (
+    NetworkError,
+    NetworkManager,
+    SandboxNetwork,
+    pick_free_subnet,
+)
 
-__all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
+__all__ = ["NetworkError", "NetworkManager", "SandboxNetwork", "pick_free_subnet"]

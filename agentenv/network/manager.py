@@ -28,6 +28,7 @@ import ipaddress
 import json
 import logging
 import re
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -605,3 +606,30 @@ async def _run_blocking(func: Callable[..., _T], *args: Any) -> _T:
         with contextlib.suppress(Exception):
             await future
         raise
+
+
+# Where servers that were given no subnet take theirs from: /18 blocks (4096 sandboxes
+# each) of 10.128.0.0/9.
+SUBNET_POOL = ipaddress.IPv4Network("10.128.0.0/9")
+SUBNET_PREFIX = 18
+
+
+def pick_free_subnet(start_index: int) -> str:
+    """The first block of :data:`SUBNET_POOL`, searching from ``start_index``, that no
+    address or route on this host overlaps. Deterministic for a given host state, so
+    side-by-side servers starting from different indexes rarely contend."""
+    blocks = list(SUBNET_POOL.subnets(new_prefix=SUBNET_PREFIX))
+    taken: list[ipaddress.IPv4Network] = []
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            address = msg.get_attr("IFA_ADDRESS")
+            taken.append(ipaddress.IPv4Network(f"{address}/{msg['prefixlen']}", strict=False))
+        for msg in ipr.get_routes(family=socket.AF_INET):
+            dst = msg.get_attr("RTA_DST")
+            if dst and msg["dst_len"] > 0:
+                taken.append(ipaddress.IPv4Network(f"{dst}/{msg['dst_len']}", strict=False))
+    for offset in range(len(blocks)):
+        block = blocks[(start_index + offset) % len(blocks)]
+        if not any(block.overlaps(t) for t in taken):
+            return str(block)
+    raise NetworkError(f"every /{SUBNET_PREFIX} block of {SUBNET_POOL} is in use on this host")

@@ -23,7 +23,7 @@ from typing import Literal
 import httpx
 
 from agentenv.config import Config
-from agentenv.network import NetworkManager
+from agentenv.network import NetworkManager, pick_free_subnet
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import (
@@ -76,6 +76,20 @@ def _disk_format(value: str) -> DiskFormat:
     return "qcow2" if value == "qcow2" else "raw"
 
 
+def resolve_subnet(config: Config) -> str:
+    """The host-side veth range: configured, else the one this data directory chose at
+    its first start, else a block no address or route on this host uses yet (recorded,
+    so re-adopted sandboxes keep their addresses)."""
+    if config.net_subnet:
+        return config.net_subnet
+    if config.subnet_path.exists():
+        return config.subnet_path.read_text().strip()
+    subnet = pick_free_subnet(int(config.instance_tag, 16))
+    config.home.mkdir(parents=True, exist_ok=True)
+    config.subnet_path.write_text(subnet + "\n")
+    return subnet
+
+
 def new_sandbox_id() -> str:
     return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
 
@@ -109,7 +123,7 @@ class Orchestrator:
         self.accel = accel
         self.store = Store(config.db_path)
         self.network = network or NetworkManager(
-            prefix=f"ae{config.instance_tag}", subnet=config.subnet
+            prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config)
         )
         # No keep-alive: guest addresses are reused with network slots, so a pooled
         # connection could outlive its sandbox and reach the next one.
