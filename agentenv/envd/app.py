@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .files import FileTransfer
+from .files import FileTransfer, send_json
 from .metrics import MetricsSampler
 from .processes import ProcessRegistry
 from .state import EnvdState, InitError, InitRequest
@@ -71,7 +71,7 @@ class EnvdApp:
             # One bad request must never take envd down or leave the client hanging.
             logger.exception("unhandled error serving %s %s", scope["method"], scope["path"])
             if not started:
-                await _send_json(send, 500, {"code": 500, "message": "internal error"})
+                await send_json(send, 500, {"code": 500, "message": "internal error"})
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -82,11 +82,11 @@ class EnvdApp:
             _header(scope, b"x-access-token")
         ):
             if is_rpc:
-                await _send_json(
+                await send_json(
                     send, 401, {"code": "unauthenticated", "message": "invalid access token"}
                 )
             else:
-                await _send_json(send, 401, {"code": 401, "message": "invalid access token"})
+                await send_json(send, 401, {"code": 401, "message": "invalid access token"})
             return
 
         if path.startswith(PROCESS_PREFIX):
@@ -114,16 +114,16 @@ class EnvdApp:
             if method != "GET":
                 await _method_not_allowed(send, "GET")
                 return
-            await _send_json(send, 200, self.state.env_vars)
+            await send_json(send, 200, self.state.env_vars)
         elif path == "/files":
             await self._files(scope, receive, send)
         elif path == "/metrics":
             if method != "GET":
                 await _method_not_allowed(send, "GET")
                 return
-            await _send_json(send, 200, self._metrics.sample())
+            await send_json(send, 200, self._metrics.sample())
         else:
-            await _send_json(send, 404, {"code": 404, "message": f"no route for {path}"})
+            await send_json(send, 404, {"code": 404, "message": f"no route for {path}"})
 
     async def _init(self, receive: Receive, send: Send) -> None:
         try:
@@ -134,7 +134,7 @@ class EnvdApp:
                 raise InitError("body is not valid JSON") from None
             self.state.apply_init(InitRequest.from_json(decoded))
         except InitError as e:
-            await _send_json(send, 400, {"code": 400, "message": str(e)})
+            await send_json(send, 400, {"code": 400, "message": str(e)})
             return
         await _send_empty(send, 204)
 
@@ -162,7 +162,7 @@ def _connect_error_bodies(send: Send, path: str) -> Send:
             start = pending.pop()
             if not message.get("body") and not message.get("more_body", False):
                 code, text = _ROUTER_ERRORS[start["status"]]
-                await _send_json(
+                await send_json(
                     send, start["status"], {"code": code, "message": text.format(path=path)}
                 )
                 return
@@ -199,21 +199,6 @@ def _header(scope: Scope, name: bytes) -> str | None:
 async def _send_empty(send: Send, status: int) -> None:
     await send({"type": "http.response.start", "status": status, "headers": []})
     await send({"type": "http.response.body", "body": b""})
-
-
-async def _send_json(send: Send, status: int, payload: object) -> None:
-    body = json.dumps(payload).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _method_not_allowed(send: Send, allow: str) -> None:
