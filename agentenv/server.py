@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         port=config.port,
         log_level="warning" if config.log_level == "info" else config.log_level,
         timeout_graceful_shutdown=10,
+        # Read request heads up to 1 MiB so the proxy middleware can refuse oversized
+        # ones with a 431 body; h11 would otherwise reset the connection mid-upload.
+        h11_max_incomplete_event_size=1024 * 1024,
     )
 
 

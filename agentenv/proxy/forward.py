@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -28,6 +30,8 @@ from websockets.asyncio.client import connect as ws_connect
 from agentenv.network.addresses import ENVD_PORT
 from agentenv.orchestrator.errors import SandboxNotFound
 from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
+
+log = logging.getLogger("agentenv.proxy")
 
 _HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[a-z0-9]+)\.")
 # Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded, nor are the ones the
@@ -48,6 +52,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port"})
+# The same bound h11 (and so envd) applies to a request head.
+MAX_HEADER_BYTES = 16 * 1024
 # envd paths that authenticate themselves: /health is public, /files accepts signed URLs.
 _ENVD_SELF_AUTHENTICATED = ("/health", "/files")
 
@@ -183,7 +189,7 @@ class SandboxProxy:
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
         }
         return StreamingResponse(
-            upstream.aiter_raw(),
+            _relay_body(upstream, target),
             status_code=upstream.status_code,
             headers=response_headers,
             background=BackgroundTask(upstream.aclose),
@@ -227,6 +233,22 @@ class SandboxProxy:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+
+async def _relay_body(upstream: httpx.Response, target: ProxyTarget) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives. The status line is already on its way to the
+    client, so a guest that drops the connection mid-body can only end the stream early:
+    log it and stop, rather than abort the client's connection with a traceback."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning(
+            "sandbox %s port %d closed mid-response: %s",
+            target.sandbox_id,
+            target.port,
+            str(exc) or type(exc).__name__,
+        )
 
 
 async def _deny_websocket(send: Send, refusal: Refusal) -> None:
@@ -282,6 +304,17 @@ class SandboxTrafficMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
+            header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if header_bytes > MAX_HEADER_BYTES:
+                # h11 enforces its own limit only when headers span several reads, so
+                # oversized headers are refused here, for the API and the guest alike.
+                refusal = Refusal(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
+                if scope["type"] == "http":
+                    await refusal.response()(scope, receive, send)
+                else:
+                    await receive()
+                    await _deny_websocket(send, refusal)
+                return
             target = target_of(Headers(scope=scope))
             if target is not None:
                 if scope["type"] == "http":

@@ -1,0 +1,1 @@
+"""The official E2B Python SDK driven against a live agentenv server."""

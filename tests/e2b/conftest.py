@@ -1,0 +1,33 @@
+"""A live agentenv server for the official ``e2b`` SDK. It runs with ``AENV_DOMAIN`` so
+``get_host(port)`` names route through its proxy; tests point the SDK at it per client
+(``tests/e2b/support.py``) rather than through process-wide ``E2B_*`` variables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _cleanup_host
+from tests.helpers import ServerProcess, free_port
+
+
+@pytest.fixture(scope="session")
+def e2b_server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
+    port = free_port()
+    srv = ServerProcess(
+        home=test_root / "e2b", port=port, extra_env={"AENV_DOMAIN": f"localhost:{port}"}
+    )
+    try:
+        srv.start()
+    except Exception:
+        srv.stop()
+        _cleanup_host(srv.home)
+        raise
+    yield srv
+    with srv.client() as c:
+        for item in c.get("/sandboxes").json():
+            c.delete(f"/sandboxes/{item['sandboxID']}")
+    srv.stop()
+    _cleanup_host(srv.home)
