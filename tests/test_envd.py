@@ -673,6 +673,16 @@ def test_files_range_gzip_and_errors(envd: Envd, tmp_path: Path) -> None:
         assert gzip.decompress(compressed) == target.read_bytes()
     refused = httpx.get(url, params={"path": str(target)}, headers={"Accept-Encoding": "br, *;q=0"})
     assert refused.status_code == 406
+    # A generic list (httpx's default) gets identity: compressing only on explicit request.
+    generic = httpx.get(
+        url, params={"path": str(target)}, headers={"Accept-Encoding": "gzip, deflate"}
+    )
+    assert "content-encoding" not in generic.headers
+    assert generic.content == target.read_bytes()
+    no_identity = httpx.get(
+        url, params={"path": str(target)}, headers={"Accept-Encoding": "gzip, identity;q=0"}
+    )
+    assert no_identity.headers["content-encoding"] == "gzip"
 
     missing = httpx.get(url, params={"path": str(tmp_path / "nope")})
     assert missing.status_code == 404

@@ -277,3 +277,37 @@ def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) ->
         from tests.conftest import _cleanup_host
 
         _cleanup_host(srv.home)
+
+
+def test_failed_create_leaves_nothing(server: ServerProcess) -> None:
+    """A create that fails midway (here: its network slot's address is taken on the host)
+    answers with a JSON error and leaves no record, VM, namespace or directory behind."""
+    import ipaddress
+
+    from pyroute2 import IPRoute
+
+    with server.client() as c:
+        subnet = ipaddress.IPv4Network((server.home / "subnet").read_text().strip())
+        used = len(c.get("/sandboxes").json())
+        # Slots are handed out lowest first; with `used` sandboxes running, the next is
+        # `used` (none of this session's other tests leave sandboxes behind).
+        blocker_ip = str(subnet.network_address + 4 * used + 1)
+        before_dirs = set((server.home / "sandboxes").iterdir())
+        before_ns = netns_names()
+        with IPRoute() as ipr:
+            ipr.link("add", ifname="aeblock0", kind="veth", peer="aeblock1")
+            index = ipr.link_lookup(ifname="aeblock0")[0]
+            ipr.addr("add", index=index, address=blocker_ip, prefixlen=30)
+            try:
+                failed = c.post("/sandboxes", json={"templateID": "base"})
+            finally:
+                ipr.link("del", index=index)
+        assert failed.status_code == 500, failed.text
+        assert "in use" in failed.json()["message"]
+        assert len(c.get("/sandboxes").json()) == used
+        assert set((server.home / "sandboxes").iterdir()) == before_dirs
+        assert netns_names() == before_ns
+        # The slot is free again and the next create succeeds.
+        ok = c.post("/sandboxes", json={"templateID": "base"})
+        assert ok.status_code == 201
+        assert c.delete(f"/sandboxes/{ok.json()['sandboxID']}").status_code == 204

@@ -349,15 +349,25 @@ class Orchestrator:
         try:
             workdir.mkdir(parents=True)
             (workdir / VM_DIR).mkdir()
-            disk, disk_format = await writable_disk(
-                snap.disk,
-                _disk_format(snap.disk_format),
-                workdir / "disk",
-                self.driver.disk_formats,
-            )
-            phases.mark("disk")
-            net = await self.network.create(slot, allow_internet=allow_internet)
-            phases.mark("network")
+            # Independent, so concurrent; a failure cancels the other before the rollback.
+            try:
+                async with asyncio.TaskGroup() as group:
+                    disk_task = group.create_task(
+                        writable_disk(
+                            snap.disk,
+                            _disk_format(snap.disk_format),
+                            workdir / "disk",
+                            self.driver.disk_formats,
+                        )
+                    )
+                    net_task = group.create_task(
+                        self.network.create(slot, allow_internet=allow_internet)
+                    )
+            except BaseExceptionGroup as group_error:
+                raise group_error.exceptions[0] from None
+            disk, disk_format = disk_task.result()
+            net = net_task.result()
+            phases.mark("disk+network")
             spec = MachineSpec(
                 vcpus=snap.vcpus,
                 memory_mib=snap.memory_mib,
