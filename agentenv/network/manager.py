@@ -383,12 +383,16 @@ class NetworkManager:
             if slot not in slots:
                 return
             table = self._host_table
-            with contextlib.suppress(NetworkError):  # already gone
-                await _run_nft_async(
-                    f"flush chain ip {table} slot{slot}\ndelete chain ip {table} slot{slot}\n"
-                )
             slots.discard(slot)
-            await self._delete_host_table_if_unused()
+            script = f"flush chain ip {table} slot{slot}\ndelete chain ip {table} slot{slot}\n"
+            if not slots:
+                # One transaction with the chain's removal: each nft run costs a process.
+                script += f"delete table ip {table}\n"
+            try:
+                await _run_nft_async(script)
+            except NetworkError:
+                # The chain was already gone, so the transaction did nothing.
+                await self._delete_host_table_if_unused()
 
     async def _delete_host_table_if_unused(self) -> bool:
         slots = await self._known_internet_slots()

@@ -435,17 +435,21 @@ class Orchestrator:
             rec = self.store.get_sandbox(sandbox_id)
             if rec is None or rec.state not in ("running", "paused"):
                 raise SandboxNotFound(sandbox_id)
+            phases = _PhaseTimer()
             self.store.update_sandbox(sandbox_id, state="killing")
             vm = self._vms.pop(sandbox_id, None)
             if vm is not None:
                 await vm.kill()
             else:
                 await self._kill_leftover_vm(rec.workdir / VM_DIR)
+            phases.mark("vm")
             await self.network.destroy(rec.slot)
+            phases.mark("network")
             shutil.rmtree(rec.workdir, ignore_errors=True)
             self.store.delete_sandbox(sandbox_id)
+            phases.mark("files")
         self._locks.pop(sandbox_id, None)
-        log.info("sandbox %s killed", sandbox_id)
+        log.info("sandbox %s killed in %s", sandbox_id, phases)
 
     # -- expiry --------------------------------------------------------------------------
     async def reap_expired(self, now: datetime | None = None) -> list[str]:
