@@ -311,3 +311,19 @@ def test_failed_create_leaves_nothing(server: ServerProcess) -> None:
         ok = c.post("/sandboxes", json={"templateID": "base"})
         assert ok.status_code == 201
         assert c.delete(f"/sandboxes/{ok.json()['sandboxID']}").status_code == 204
+
+
+def test_openapi_document_describes_the_api(server: ServerProcess) -> None:
+    doc = httpx.get(f"{server.url}/openapi.json", trust_env=False).json()
+    for path in (
+        "/sandboxes",
+        "/v2/sandboxes",
+        "/sandboxes/{sandbox_id}",
+        "/sandboxes/{sandbox_id}/timeout",
+        "/sandboxes/{sandbox_id}/metrics",
+    ):
+        assert path in doc["paths"], path
+    created = doc["paths"]["/v2/sandboxes"]["post"]["responses"]
+    assert "201" in created and "400" in created
+    schema = doc["components"]["schemas"]["Sandbox"]["properties"]
+    assert {"sandboxID", "templateID", "envdVersion", "clientID"} <= set(schema)

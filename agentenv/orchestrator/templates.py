@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
@@ -59,7 +60,7 @@ class TemplateManager:
         config: Config,
         store: Store,
         driver: VMMDriver,
-        accel: str,
+        accel: Literal["tcg", "kvm"],
         network: NetworkManager,
         reserve_slot: Callable[[], int],
         release_slot: Callable[[int], None],
@@ -207,7 +208,7 @@ class TemplateManager:
                 ),
                 memory_file=staging / "memory.raw",
                 memory_shared=self.driver.shared_memory_boot,
-                accel=self.accel,  # type: ignore[arg-type]
+                accel=self.accel,
                 net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
             )
             boot_dir = staging / "boot"
