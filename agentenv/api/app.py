@@ -27,13 +27,14 @@ from agentenv.api.models import (
     ErrorBody,
     Health,
     NewSandbox,
+    PauseRequest,
     RefreshRequest,
     Sandbox,
     SandboxDetail,
     SandboxMetric,
     TimeoutRequest,
 )
-from agentenv.orchestrator.errors import OrchestratorError
+from agentenv.orchestrator.errors import Conflict, OrchestratorError
 from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
 from agentenv.orchestrator.templates import BASE_TEMPLATE
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
@@ -331,33 +332,75 @@ def create_app(
             )
         ]
 
-    async def _connect(sandbox_id: str, body: ConnectRequest | None) -> Sandbox:
+    async def _connect(sandbox_id: str, body: ConnectRequest | None, response: Response) -> Sandbox:
+        """200 with a running sandbox (its lifetime only extended); 201 when it was paused
+        and has been resumed."""
         timeout = body.timeout if body and body.timeout is not None else None
+        if orchestrator.get(sandbox_id).state == "paused":
+            try:
+                view = await orchestrator.resume(sandbox_id, timeout)
+            except Conflict:
+                pass  # a concurrent connect resumed it first
+            else:
+                response.status_code = 201
+                return sandbox_body(view)
         if timeout is not None:
             view = await orchestrator.extend_timeout(sandbox_id, timeout)
         else:
             view = orchestrator.get(sandbox_id)
         return sandbox_body(view)
 
+    connect_responses: dict[int | str, dict[str, object]] = {
+        201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"}
+    }
+
     @app.post(
         "/sandboxes/{sandbox_id}/connect",
         response_model=Sandbox,
         response_model_by_alias=True,
+        responses=connect_responses,
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def connect_v1(sandbox_id: str, body: ConnectRequest | None = None) -> Sandbox:
-        return await _connect(sandbox_id, body)
+    async def connect_v1(
+        sandbox_id: str, response: Response, body: ConnectRequest | None = None
+    ) -> Sandbox:
+        return await _connect(sandbox_id, body, response)
 
     @app.post(
         "/v2/sandboxes/{sandbox_id}/connect",
         response_model=Sandbox,
         response_model_by_alias=True,
+        responses=connect_responses,
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def connect_v2(sandbox_id: str, body: ConnectRequest | None = None) -> Sandbox:
-        return await _connect(sandbox_id, body)
+    async def connect_v2(
+        sandbox_id: str, response: Response, body: ConnectRequest | None = None
+    ) -> Sandbox:
+        return await _connect(sandbox_id, body, response)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/pause", status_code=204, dependencies=authed, tags=["sandboxes"]
+    )
+    async def pause_sandbox(sandbox_id: str, body: PauseRequest | None = None) -> Response:
+        # `memory: false` (disk-only pause) is served by a full pause: it keeps strictly
+        # more (running processes too).
+        await orchestrator.pause(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/resume",
+        status_code=201,
+        response_model=Sandbox,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def resume_sandbox(sandbox_id: str, body: ConnectRequest | None = None) -> Sandbox:
+        """The pre-2.6 SDKs' resume: 409 when the sandbox is already running."""
+        timeout = body.timeout if body and body.timeout is not None else None
+        return sandbox_body(await orchestrator.resume(sandbox_id, timeout))
 
     return app
 

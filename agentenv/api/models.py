@@ -80,6 +80,13 @@ class ConnectRequest(BaseModel):
     timeout: int | None = Field(default=None, ge=0)
 
 
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    memory: bool = True
+    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
+
+
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     version: str

@@ -51,3 +51,9 @@ class GuestUnavailable(OrchestratorError):
     """The sandbox exists but its guest agent did not answer."""
 
     status = 502
+
+
+class OperationFailed(OrchestratorError):
+    """A lifecycle operation failed; the sandbox is left in the state it was in before."""
+
+    status = 500

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import shutil
 import string
@@ -28,18 +29,22 @@ from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import (
     CapacityExhausted,
+    Conflict,
     GuestUnavailable,
     InvalidRequest,
+    OperationFailed,
     SandboxNotFound,
     SandboxStartFailed,
 )
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 from agentenv.orchestrator.templates import Template, TemplateManager
+from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.images import DiskFormat, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
     MachineSpec,
     NetSpec,
+    SnapshotFiles,
     VirtualMachine,
     VMMDriver,
     VMMError,
@@ -49,6 +54,9 @@ log = logging.getLogger("agentenv.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 VM_DIR = "vm"
+# A paused sandbox's saved machine lives here, next to its disk overlay.
+PAUSED_DIR = "paused"
+PAUSED_MANIFEST = "snapshot.json"
 
 
 class _PhaseTimer:
@@ -68,6 +76,22 @@ class _PhaseTimer:
         total = (self._last - self._start) * 1000
         parts = ", ".join(f"{k} {v * 1000:.0f}" for k, v in self.phases.items())
         return f"{total:.0f} ms ({parts})"
+
+
+def _existing_disk(workdir: Path) -> tuple[Path, DiskFormat]:
+    qcow2 = workdir / "disk.qcow2"
+    if qcow2.exists():
+        return qcow2, "qcow2"
+    return workdir / "disk.raw", "raw"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _disk_format(value: str) -> DiskFormat:
@@ -186,20 +210,43 @@ class Orchestrator:
             return None
 
     async def _recover(self) -> None:
-        """Re-adopt sandboxes whose VMM survived the previous server, clean the rest."""
+        """Re-adopt sandboxes whose VMM survived the previous server, keep paused ones
+        whose saved state is complete, settle interrupted pauses and resumes, and clean
+        up the rest."""
         kept: set[int] = set()
         for rec in self.store.list_sandboxes():
             vm_dir = rec.workdir / VM_DIR
-            if rec.state == "running":
+            saved = (rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).exists()
+            if rec.state in ("running", "pausing"):
                 try:
                     vm = await self.driver.attach(vm_dir)
                 except VMMError as exc:
+                    if rec.state == "pausing" and saved:
+                        # The save finished; the crash came while releasing the VM.
+                        await self.network.destroy(rec.slot)
+                        self.store.update_sandbox(rec.sandbox_id, state="paused")
+                        log.info("sandbox %s: interrupted pause completed", rec.sandbox_id)
+                        continue
                     log.warning("sandbox %s lost (%s); cleaning it up", rec.sandbox_id, exc)
                 else:
+                    if rec.state == "pausing":
+                        # The VM is still there, maybe stopped mid-save: it wins.
+                        await vm.resume()
+                        shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
+                        self.store.update_sandbox(rec.sandbox_id, state="running")
                     self._vms[rec.sandbox_id] = vm
                     kept.add(rec.slot)
                     log.info("re-adopted running sandbox %s", rec.sandbox_id)
                     continue
+            elif rec.state in ("paused", "resuming") and saved:
+                # An interrupted resume leaves the saved state untouched: back to paused.
+                await self._kill_leftover_vm(vm_dir)
+                if rec.state == "resuming":
+                    await self.network.destroy(rec.slot)
+                    self.store.update_sandbox(rec.sandbox_id, state="paused")
+                continue
+            elif rec.state == "paused":
+                log.warning("paused sandbox %s has no saved state; cleaning it up", rec.sandbox_id)
             await self._discard(rec)
         known = {rec.workdir for rec in self.store.list_sandboxes()}
         if self.config.sandboxes_dir.exists():
@@ -368,23 +415,10 @@ class Orchestrator:
             disk, disk_format = disk_task.result()
             net = net_task.result()
             phases.mark("disk+network")
-            spec = MachineSpec(
-                vcpus=snap.vcpus,
-                memory_mib=snap.memory_mib,
-                kernel=snap.kernel,
-                initrd=snap.initrd,
-                cmdline=snap.cmdline,
-                drives=(
-                    DriveSpec("root", disk, fmt=disk_format),
-                    DriveSpec("tools", snap.tools_drive, read_only=True),
-                ),
-                # Private mapping: the sandbox's RAM writes are copy-on-write in its own
-                # memory; the template image is shared through the page cache.
-                memory_file=snap.files.memory_file or (workdir / "memory.raw"),
-                memory_shared=False,
-                accel=self.accel,
-                net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
-            )
+            # Private mapping: the sandbox's RAM writes are copy-on-write in its own
+            # memory; the template image is shared through the page cache.
+            memory = snap.files.memory_file or (workdir / "memory.raw")
+            spec = self._machine_spec(snap, disk, disk_format, memory, net.netns)
             vm = await self.driver.restore(spec, snap.files, workdir / VM_DIR)
             phases.mark("restore")
             await envd_client.init(
@@ -409,6 +443,132 @@ class Orchestrator:
         rec.state, rec.end_at = "running", end_at
         log.info("sandbox %s running (template %s) in %s", sandbox_id, rec.template_id, phases)
         return self._view(rec)
+
+    def _machine_spec(
+        self,
+        snap: MachineSnapshot,
+        disk: Path,
+        disk_format: DiskFormat,
+        memory_file: Path,
+        netns: str,
+    ) -> MachineSpec:
+        """The machine a sandbox of template snapshot ``snap`` runs as: every restore of
+        it (create, resume) must present the same shape."""
+        return MachineSpec(
+            vcpus=snap.vcpus,
+            memory_mib=snap.memory_mib,
+            kernel=snap.kernel,
+            initrd=snap.initrd,
+            cmdline=snap.cmdline,
+            drives=(
+                DriveSpec("root", disk, fmt=disk_format),
+                DriveSpec("tools", snap.tools_drive, read_only=True),
+            ),
+            memory_file=memory_file,
+            memory_shared=False,
+            accel=self.accel,
+            net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=netns),
+        )
+
+    # -- pause and resume ------------------------------------------------------------------
+    async def pause(self, sandbox_id: str) -> SandboxView:
+        """Save the whole machine (device state and RAM) under the sandbox's directory,
+        then release its VMM process and network namespace. The disk overlay stays.
+
+        On failure the VM keeps running (the driver resumes it) and so does the sandbox."""
+        async with self._lock(sandbox_id):
+            rec = self._existing(sandbox_id)
+            if rec.state == "paused":
+                raise Conflict(f"sandbox {sandbox_id} is already paused")
+            vm = self._vms.get(sandbox_id)
+            if vm is None:
+                raise GuestUnavailable(f"sandbox {sandbox_id} has no VMM attached")
+            phases = _PhaseTimer()
+            dest = rec.workdir / PAUSED_DIR
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            self.store.update_sandbox(sandbox_id, state="pausing")
+            try:
+                files = await vm.save_state(dest)
+                _write_atomically(dest / PAUSED_MANIFEST, files.to_json())
+            except Exception as exc:
+                shutil.rmtree(dest, ignore_errors=True)
+                with contextlib.suppress(VMMError):
+                    await vm.resume()
+                self.store.update_sandbox(sandbox_id, state="running")
+                raise OperationFailed(f"pausing sandbox {sandbox_id} failed: {exc}") from exc
+            phases.mark("save")
+            self._vms.pop(sandbox_id, None)
+            await vm.kill()
+            await self.network.destroy(rec.slot)
+            phases.mark("release")
+            self.store.update_sandbox(sandbox_id, state="paused")
+            rec.state = "paused"
+        log.info("sandbox %s paused in %s", sandbox_id, phases)
+        return self._view(rec)
+
+    async def resume(self, sandbox_id: str, timeout: int | None = None) -> SandboxView:
+        """Restore a paused sandbox with the same id, files and processes. On failure it
+        stays paused."""
+        timeout = self.config.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
+        async with self._lock(sandbox_id):
+            rec = self._existing(sandbox_id)
+            if rec.state != "paused":
+                raise Conflict(f"sandbox {sandbox_id} is not paused")
+            phases = _PhaseTimer()
+            files = SnapshotFiles.from_json(
+                (rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).read_text()
+            )
+            snap = self._template_snapshot(rec)
+            disk, disk_format = _existing_disk(rec.workdir)
+            self.store.update_sandbox(sandbox_id, state="resuming")
+            vm: VirtualMachine | None = None
+            try:
+                vm_dir = rec.workdir / VM_DIR
+                shutil.rmtree(vm_dir, ignore_errors=True)
+                vm_dir.mkdir()
+                net = await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+                spec = self._machine_spec(
+                    snap, disk, disk_format, rec.workdir / "memory.raw", net.netns
+                )
+                vm = await self.driver.restore(spec, files, vm_dir)
+                phases.mark("restore")
+                await envd_client.init(
+                    self.http,
+                    net.guest_address,
+                    env_vars=rec.env_vars,
+                    access_token=rec.envd_token,
+                )
+                phases.mark("envd_init")
+            except Exception as exc:
+                if vm is not None:
+                    await vm.kill()
+                with contextlib.suppress(Exception):
+                    await self.network.destroy(rec.slot)
+                self.store.update_sandbox(sandbox_id, state="paused")
+                raise OperationFailed(f"resuming sandbox {sandbox_id} failed: {exc}") from exc
+            self._vms[sandbox_id] = vm
+            end_at = utcnow() + timedelta(seconds=timeout)
+            self.store.update_sandbox(sandbox_id, state="running", end_at=end_at)
+            rec.state, rec.end_at = "running", end_at
+            # The saved state is consumed: the running machine has moved on from it.
+            shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
+        log.info("sandbox %s resumed in %s", sandbox_id, phases)
+        return self._view(rec)
+
+    def _existing(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.store.get_sandbox(sandbox_id)
+        if rec is None or rec.state not in ("running", "paused"):
+            raise SandboxNotFound(sandbox_id)
+        return rec
+
+    def _template_snapshot(self, rec: SandboxRecord) -> MachineSnapshot:
+        directory = self.config.templates_dir / rec.template_id / rec.template_build_id
+        try:
+            return MachineSnapshot.load(directory)
+        except SnapshotError as exc:
+            raise OperationFailed(f"template of sandbox {rec.sandbox_id}: {exc}") from exc
 
     # -- changes -------------------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxView:

@@ -1,0 +1,110 @@
+"""Pause releases a sandbox's VMM and network; resume (connect) brings back the same
+machine: files, running processes and their in-memory state."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2b import E2B
+
+from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+    ">/dev/null 2>&1 & echo $!"
+)
+
+
+def test_pause_resume_keeps_files_and_processes(server: ServerProcess) -> None:
+    with server.client() as c:
+        created = c.post("/sandboxes", json={"templateID": "base", "timeout": 300})
+        sandbox_id = created.json()["sandboxID"]
+        try:
+            assert run_command(server.url, sandbox_id, "echo kept > /home/user/f").exit_code == 0
+            pid = int(run_command(server.url, sandbox_id, COUNTER).stdout)
+            time.sleep(1)
+            before = int(run_command(server.url, sandbox_id, "cat /tmp/counter").stdout)
+            namespaces = netns_names()
+
+            assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "paused"
+            paused = c.get("/v2/sandboxes", params={"state": "paused"}).json()
+            assert sandbox_id in [s["sandboxID"] for s in paused]
+            # CPU, memory and network are released.
+            assert vmm_pids(f"/sandboxes/{sandbox_id}/") == []
+            assert len(namespaces - netns_names()) == 1
+            refused = httpx.get(
+                f"{server.url}/health", headers={"E2b-Sandbox-Id": sandbox_id}, trust_env=False
+            )
+            assert refused.status_code == 502
+            again = c.post(f"/sandboxes/{sandbox_id}/pause")
+            assert again.status_code == 409
+            assert again.json()["code"] == 409
+
+            resumed = c.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 120})
+            assert resumed.status_code == 201, resumed.text
+            assert resumed.json()["sandboxID"] == sandbox_id
+            assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
+            assert run_command(server.url, sandbox_id, "cat /home/user/f").stdout == "kept\n"
+            assert run_command(server.url, sandbox_id, f"kill -0 {pid}").exit_code == 0
+            time.sleep(1)
+            after = int(run_command(server.url, sandbox_id, "cat /tmp/counter").stdout)
+            assert after > before
+            # Connecting to a running sandbox is 200, and the legacy resume says 409.
+            assert c.post(f"/v2/sandboxes/{sandbox_id}/connect", json={}).status_code == 200
+            assert c.post(f"/sandboxes/{sandbox_id}/resume", json={}).status_code == 409
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_kill_a_paused_sandbox(server: ServerProcess) -> None:
+    with server.client() as c:
+        sandbox_id = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+        assert c.get(f"/sandboxes/{sandbox_id}").status_code == 404
+        assert not (server.home / "sandboxes" / sandbox_id).exists()
+        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 404
+
+
+def test_sdk_pause_and_connect(server: ServerProcess) -> None:
+    e2b = E2B(api_url=server.url, sandbox_url=server.url, api_key=server.api_key, debug=False)
+    sbx = e2b.Sandbox.create(timeout=300)
+    try:
+        sbx.files.write("/home/user/sdk.txt", "before pause")
+        assert sbx.pause() is True
+        assert sbx.pause() is False  # already paused
+        back = e2b.Sandbox.connect(sbx.sandbox_id)
+        assert back.files.read("/home/user/sdk.txt") == "before pause"
+        assert back.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        sbx.kill()
+
+
+def test_restart_keeps_paused_sandboxes(test_root: object, guest_image: None) -> None:
+    from pathlib import Path
+
+    from tests.conftest import _cleanup_host
+
+    assert isinstance(test_root, Path)
+    srv = ServerProcess(home=test_root / "paused-restart")
+    srv.start()
+    try:
+        with srv.client() as c:
+            sandbox_id = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+            run_command(srv.url, sandbox_id, "echo 7 > /home/user/n")
+            assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        srv.stop()
+        srv.start()
+        with srv.client() as c:
+            assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "paused"
+            assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 201
+            assert run_command(srv.url, sandbox_id, "cat /home/user/n").stdout == "7\n"
+            assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+    finally:
+        srv.stop()
+        _cleanup_host(srv.home)
