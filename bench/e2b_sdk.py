@@ -31,8 +31,7 @@ import httpx
 from e2b import E2B
 
 from bench.lifecycle import print_table, summarize
-from tests.conftest import _cleanup_host
-from tests.helpers import ServerProcess, run_command
+from tests.helpers import ServerProcess, live_server, run_command
 
 PAYLOAD_BYTES = 1024 * 1024
 OPERATIONS = ("create", "run_true", "write_1mib", "read_1mib")
@@ -143,17 +142,14 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("bench/e2b_sdk.py must run as root")
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-sdk-", dir="/var/tmp"))
-    server = ServerProcess(home=home / "node")
     try:
-        server.start()
-        client = E2B(
-            api_url=server.url, sandbox_url=server.url, api_key=server.api_key, debug=False
-        )
-        raw = bench_sdk(client, args.runs)
-        raw.update(bench_raw_http(server, args.runs))
+        with live_server(ServerProcess(home=home / "node")) as server:
+            client = E2B(
+                api_url=server.url, sandbox_url=server.url, api_key=server.api_key, debug=False
+            )
+            raw = bench_sdk(client, args.runs)
+            raw.update(bench_raw_http(server, args.runs))
     finally:
-        server.stop()
-        _cleanup_host(server.home)
         shutil.rmtree(home, ignore_errors=True)
     summary = {name: summarize(values) for name, values in raw.items()}
     print_table(summary, {f"sdk_{op}": f"http_{op}" for op in OPERATIONS})

@@ -32,7 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentenv.network import NetworkManager
-from tests.helpers import ServerProcess, run_command, vmm_pids
+from tests.helpers import ServerProcess, live_server, run_command, vmm_pids
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -297,18 +297,13 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("bench/lifecycle.py must run as root")
     home = Path(tempfile.mkdtemp(prefix="aenv-bench-", dir="/var/tmp"))
-    server = ServerProcess(home=home / "node")
     try:
-        server.start()
-        api = bench_api(server.url, server.api_key, args.runs)
-        snapshot_dirs = sorted((server.home / "templates" / "base").iterdir())
-        bare = bench_bare(snapshot_dirs[-1], args.runs)
-        idle = idle_cost(server)
+        with live_server(ServerProcess(home=home / "node")) as server:
+            api = bench_api(server.url, server.api_key, args.runs)
+            snapshot_dirs = sorted((server.home / "templates" / "base").iterdir())
+            bare = bench_bare(snapshot_dirs[-1], args.runs)
+            idle = idle_cost(server)
     finally:
-        server.stop()
-        from tests.conftest import _cleanup_host
-
-        _cleanup_host(server.home)
         shutil.rmtree(home, ignore_errors=True)
     summary = {name: summarize(values) for name, values in {**api, **bare}.items()}
     baseline = {"create_to_running": "bare_restore_to_running", "kill": "bare_kill"}

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.config import Config
-from agentenv.network import NetworkManager
-from agentenv.orchestrator.orchestrator import resolve_subnet
-from tests.helpers import ServerProcess, kill_vmms
+from tests.helpers import ServerProcess, kill_vmms, live_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,15 +30,6 @@ def test_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _cleanup_host(home: Path) -> None:
-    kill_vmms(str(home))
-    config = Config.load(env={}, home=home)
-    import asyncio
-
-    manager = NetworkManager(prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config))
-    asyncio.run(manager.reclaim(set()))
-
-
 @pytest.fixture(scope="session")
 def guest_image() -> None:
     """Bring the guest image up to date with the sources (envd lives on its tools drive);
@@ -54,16 +42,5 @@ def guest_image() -> None:
 @pytest.fixture(scope="session")
 def server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     """One live server (real VMs) shared by the API tests of a session."""
-    srv = ServerProcess(home=test_root / "node")
-    try:
-        srv.start()
-    except Exception:
-        srv.stop()
-        _cleanup_host(srv.home)
-        raise
-    yield srv
-    with srv.client() as c:
-        for item in c.get("/sandboxes").json():
-            c.delete(f"/sandboxes/{item['sandboxID']}")
-    srv.stop()
-    _cleanup_host(srv.home)
+    with live_server(ServerProcess(home=test_root / "node")) as srv:
+        yield srv

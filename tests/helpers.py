@@ -3,6 +3,7 @@ envd's ``process.Process/Start`` stream (the wire format the E2B SDK uses)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -107,6 +108,34 @@ class ServerProcess:
         return httpx.Client(
             base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=120, trust_env=False
         )
+
+
+def cleanup_host(home: Path) -> None:
+    """Kill the VMMs and remove the network resources a server with data directory
+    ``home`` may have left (VMMs outlive their server by design)."""
+    from agentenv.config import Config
+    from agentenv.network import NetworkManager
+    from agentenv.orchestrator.orchestrator import resolve_subnet
+
+    kill_vmms(str(home))
+    config = Config.load(env={}, home=home)
+    manager = NetworkManager(prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config))
+    asyncio.run(manager.reclaim(set()))
+
+
+@contextlib.contextmanager
+def live_server(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """``srv`` started (template ready) for the block; afterwards its sandboxes are
+    killed, the server stopped and its host resources released, also on failure."""
+    try:
+        srv.start()
+        yield srv
+        with srv.client() as c:
+            for item in c.get("/sandboxes").json():
+                c.delete(f"/sandboxes/{item['sandboxID']}")
+    finally:
+        srv.stop()
+        cleanup_host(srv.home)
 
 
 def vmm_pids(marker: str) -> list[int]:

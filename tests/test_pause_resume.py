@@ -4,12 +4,13 @@ machine: files, running processes and their in-memory state."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from e2b import E2B
 
-from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
+from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
 
@@ -85,15 +86,8 @@ def test_sdk_pause_and_connect(server: ServerProcess) -> None:
         sbx.kill()
 
 
-def test_restart_keeps_paused_sandboxes(test_root: object, guest_image: None) -> None:
-    from pathlib import Path
-
-    from tests.conftest import _cleanup_host
-
-    assert isinstance(test_root, Path)
-    srv = ServerProcess(home=test_root / "paused-restart")
-    srv.start()
-    try:
+def test_restart_keeps_paused_sandboxes(test_root: Path, guest_image: None) -> None:
+    with live_server(ServerProcess(home=test_root / "paused-restart")) as srv:
         with srv.client() as c:
             sandbox_id = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
             run_command(srv.url, sandbox_id, "echo 7 > /home/user/n")
@@ -105,6 +99,3 @@ def test_restart_keeps_paused_sandboxes(test_root: object, guest_image: None) ->
             assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 201
             assert run_command(srv.url, sandbox_id, "cat /home/user/n").stdout == "7\n"
             assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
-    finally:
-        srv.stop()
-        _cleanup_host(srv.home)

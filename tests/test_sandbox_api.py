@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
+from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
 
@@ -250,9 +250,7 @@ def test_list_paging(server: ServerProcess) -> None:
 # -- restart -------------------------------------------------------------------------------
 def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) -> None:
     """A server restart re-adopts sandboxes whose VMM survived and cleans the rest."""
-    srv = ServerProcess(home=test_root / "restart")
-    srv.start()
-    try:
+    with live_server(ServerProcess(home=test_root / "restart")) as srv:
         with srv.client() as c:
             survivor = str(create(c, timeout=300)["sandboxID"])
             victim = str(create(c, timeout=300)["sandboxID"])
@@ -272,11 +270,6 @@ def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) ->
             assert not (srv.home / "sandboxes" / victim).exists()
             assert run_command(srv.url, survivor, "cat /tmp/state").stdout == "42\n"
             assert c.delete(f"/sandboxes/{survivor}").status_code == 204
-    finally:
-        srv.stop()
-        from tests.conftest import _cleanup_host
-
-        _cleanup_host(srv.home)
 
 
 def test_failed_create_leaves_nothing(server: ServerProcess) -> None:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _cleanup_host
-from tests.helpers import ServerProcess, free_port
+from tests.helpers import ServerProcess, free_port, live_server
 
 
 @pytest.fixture(scope="session")
@@ -19,15 +18,5 @@ def e2b_server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     srv = ServerProcess(
         home=test_root / "e2b", port=port, extra_env={"AENV_DOMAIN": f"localhost:{port}"}
     )
-    try:
-        srv.start()
-    except Exception:
-        srv.stop()
-        _cleanup_host(srv.home)
-        raise
-    yield srv
-    with srv.client() as c:
-        for item in c.get("/sandboxes").json():
-            c.delete(f"/sandboxes/{item['sandboxID']}")
-    srv.stop()
-    _cleanup_host(srv.home)
+    with live_server(srv):
+        yield srv
