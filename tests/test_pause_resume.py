@@ -99,3 +99,25 @@ def test_restart_keeps_paused_sandboxes(test_root: Path, guest_image: None) -> N
             assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 201
             assert run_command(srv.url, sandbox_id, "cat /home/user/n").stdout == "7\n"
             assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+
+
+def test_auto_pause_at_timeout(server: ServerProcess) -> None:
+    """``autoPause`` (the SDK's ``lifecycle={"on_timeout": "pause"}``) pauses instead of
+    killing when the timeout passes; the sandbox then waits for a connect."""
+    e2b = E2B(api_url=server.url, sandbox_url=server.url, api_key=server.api_key, debug=False)
+    sbx = e2b.Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        sbx.files.write("/home/user/kept.txt", "still here")
+        with server.client() as c:
+            assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["lifecycle"] == {
+                "autoResume": False,
+                "onTimeout": "pause",
+            }
+            deadline = time.monotonic() + 60
+            while c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] != "paused":
+                assert time.monotonic() < deadline, "the sandbox was not paused at its timeout"
+                time.sleep(0.5)
+        back = e2b.Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert back.files.read("/home/user/kept.txt") == "still here"
+    finally:
+        sbx.kill()

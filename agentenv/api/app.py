@@ -26,6 +26,7 @@ from agentenv.api.models import (
     ConnectRequest,
     ErrorBody,
     Health,
+    Lifecycle,
     NewSandbox,
     PauseRequest,
     RefreshRequest,
@@ -150,6 +151,7 @@ def create_app(
             metadata=rec.metadata,
             envdAccessToken=rec.envd_token,
             domain=orchestrator.config.domain,
+            lifecycle=Lifecycle(autoResume=False, onTimeout="pause" if rec.auto_pause else "kill"),
         )
 
     # -- routes --------------------------------------------------------------------------

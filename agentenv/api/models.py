@@ -64,6 +64,16 @@ class SandboxDetail(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     domain: str | None = None
+    lifecycle: Lifecycle | None = None
+
+
+class Lifecycle(BaseModel):
+    """What happens at the timeout, and whether traffic wakes a paused sandbox."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    auto_resume: bool = Field(alias="autoResume")
+    on_timeout: Literal["kill", "pause"] = Field(alias="onTimeout")
 
 
 class TimeoutRequest(BaseModel):

@@ -57,6 +57,7 @@ VM_DIR = "vm"
 # A paused sandbox's saved machine lives here, next to its disk overlay.
 PAUSED_DIR = "paused"
 PAUSED_MANIFEST = "snapshot.json"
+AUTO_PAUSE_RETRY_S = 60
 
 
 class _PhaseTimer:
@@ -615,15 +616,32 @@ class Orchestrator:
     async def reap_expired(self, now: datetime | None = None) -> list[str]:
         now = now or utcnow()
         expired = [
-            r.sandbox_id
-            for r in self.store.list_sandboxes()
-            if r.state == "running" and r.end_at <= now
+            r for r in self.store.list_sandboxes() if r.state == "running" and r.end_at <= now
         ]
-        for sandbox_id in expired:
-            log.info("sandbox %s reached its timeout", sandbox_id)
+        for rec in expired:
+            log.info("sandbox %s reached its timeout", rec.sandbox_id)
+            if rec.auto_pause:
+                try:
+                    await self.pause(rec.sandbox_id)
+                    continue
+                except (SandboxNotFound, Conflict):
+                    continue
+                except OperationFailed as exc:
+                    # Killing would lose what the user asked to keep: it stays running
+                    # and the pause is tried again a minute later.
+                    log.error(
+                        "auto-pause of %s failed (%s); retrying in %ds",
+                        rec.sandbox_id,
+                        exc,
+                        AUTO_PAUSE_RETRY_S,
+                    )
+                    self.store.update_sandbox(
+                        rec.sandbox_id, end_at=now + timedelta(seconds=AUTO_PAUSE_RETRY_S)
+                    )
+                    continue
             with contextlib.suppress(SandboxNotFound):
-                await self.kill(sandbox_id)
-        return expired
+                await self.kill(rec.sandbox_id)
+        return [r.sandbox_id for r in expired]
 
     async def _reap_forever(self, interval: float = 0.5) -> None:
         while True:
