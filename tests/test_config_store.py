@@ -80,3 +80,29 @@ def test_store_round_trip(tmp_path: Path) -> None:
     assert store.used_slots() == {3}
     store.delete_sandbox("iabc")
     assert store.get_sandbox("iabc") is None
+
+
+@pytest.mark.parametrize(
+    ("stored", "shown"),
+    [("running", "running"), ("pausing", "running"), ("paused", "paused"), ("resuming", "paused")],
+)
+def test_transitions_show_the_state_being_left(tmp_path: Path, stored: str, shown: str) -> None:
+    from agentenv.orchestrator.orchestrator import VISIBLE_STATES, SandboxView
+
+    now = utcnow()
+    rec = SandboxRecord(
+        sandbox_id="iabc",
+        template_id="base",
+        template_build_id="b1",
+        state=stored,
+        slot=0,
+        workdir=tmp_path,
+        started_at=now,
+        end_at=now,
+        vcpus=1,
+        memory_mib=512,
+        disk_size_mib=1,
+        envd_version="0.6.4",
+    )
+    assert stored in VISIBLE_STATES
+    assert SandboxView(rec, "10.0.0.2").state == shown

@@ -146,7 +146,7 @@ def create_app(
             cpuCount=rec.vcpus,
             memoryMB=rec.memory_mib,
             diskSizeMB=rec.disk_size_mib,
-            state="paused" if rec.state == "paused" else "running",
+            state="paused" if view.state == "paused" else "running",
             envdVersion=rec.envd_version,
             metadata=rec.metadata,
             envdAccessToken=rec.envd_token,

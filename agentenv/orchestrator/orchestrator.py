@@ -58,6 +58,15 @@ VM_DIR = "vm"
 PAUSED_DIR = "paused"
 PAUSED_MANIFEST = "snapshot.json"
 AUTO_PAUSE_RETRY_S = 60
+# States in which a sandbox exists for callers. A sandbox being created or killed does
+# not; one being paused or resumed does, as what it was before the change.
+VISIBLE_STATES = ("running", "paused", "pausing", "resuming")
+PUBLIC_STATE = {
+    "running": "running",
+    "pausing": "running",
+    "paused": "paused",
+    "resuming": "paused",
+}
 
 
 class _PhaseTimer:
@@ -132,7 +141,9 @@ class SandboxView:
 
     @property
     def state(self) -> str:
-        return self.record.state
+        """``running`` or ``paused``: a pause or resume in progress shows the state the
+        sandbox is leaving, which is what it still is until the change completes."""
+        return PUBLIC_STATE.get(self.record.state, self.record.state)
 
 
 class Orchestrator:
@@ -299,14 +310,12 @@ class Orchestrator:
 
     def get(self, sandbox_id: str) -> SandboxView:
         rec = self.store.get_sandbox(sandbox_id)
-        if rec is None or rec.state not in ("running", "paused"):
+        if rec is None or rec.state not in VISIBLE_STATES:
             raise SandboxNotFound(sandbox_id)
         return self._view(rec)
 
     def list_sandboxes(self) -> list[SandboxView]:
-        return [
-            self._view(r) for r in self.store.list_sandboxes() if r.state in ("running", "paused")
-        ]
+        return [self._view(r) for r in self.store.list_sandboxes() if r.state in VISIBLE_STATES]
 
     async def guest_metrics(self, sandbox_id: str) -> dict[str, object]:
         """Current resource use inside the guest, as envd reports it."""

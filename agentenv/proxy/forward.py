@@ -140,7 +140,7 @@ class SandboxProxy:
             # E2B's edge answers unknown sandboxes with 502; the SDK reads that as "the
             # sandbox is not running" (is_running() -> False).
             return Refusal(502, f"The sandbox {target.sandbox_id} was not found")
-        if view.state != "running":
+        if view.record.state != "running":
             return Refusal(502, f"The sandbox {target.sandbox_id} is not running")
         if target.port != ENVD_PORT:
             return view
