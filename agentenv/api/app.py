@@ -306,7 +306,7 @@ def create_app(
     )
     async def refresh(sandbox_id: str, body: RefreshRequest | None = None) -> Response:
         duration = body.duration if body and body.duration else orchestrator.config.default_timeout
-        await orchestrator.extend_timeout(sandbox_id, duration)
+        await orchestrator.set_timeout(sandbox_id, duration, only_extend=True)
         return Response(status_code=204)
 
     @app.get(
@@ -347,37 +347,24 @@ def create_app(
                 response.status_code = 201
                 return sandbox_body(view)
         if timeout is not None:
-            view = await orchestrator.extend_timeout(sandbox_id, timeout)
+            view = await orchestrator.set_timeout(sandbox_id, timeout, only_extend=True)
         else:
             view = orchestrator.get(sandbox_id)
         return sandbox_body(view)
 
-    connect_responses: dict[int | str, dict[str, object]] = {
-        201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"}
+    connect_route: dict[str, Any] = {
+        "response_model": Sandbox,
+        "response_model_by_alias": True,
+        "responses": {
+            201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"}
+        },
+        "dependencies": authed,
+        "tags": ["sandboxes"],
     }
 
-    @app.post(
-        "/sandboxes/{sandbox_id}/connect",
-        response_model=Sandbox,
-        response_model_by_alias=True,
-        responses=connect_responses,
-        dependencies=authed,
-        tags=["sandboxes"],
-    )
-    async def connect_v1(
-        sandbox_id: str, response: Response, body: ConnectRequest | None = None
-    ) -> Sandbox:
-        return await _connect(sandbox_id, body, response)
-
-    @app.post(
-        "/v2/sandboxes/{sandbox_id}/connect",
-        response_model=Sandbox,
-        response_model_by_alias=True,
-        responses=connect_responses,
-        dependencies=authed,
-        tags=["sandboxes"],
-    )
-    async def connect_v2(
+    @app.post("/sandboxes/{sandbox_id}/connect", **connect_route)  # SDK 2.6-2.50
+    @app.post("/v2/sandboxes/{sandbox_id}/connect", **connect_route)
+    async def connect(
         sandbox_id: str, response: Response, body: ConnectRequest | None = None
     ) -> Sandbox:
         return await _connect(sandbox_id, body, response)

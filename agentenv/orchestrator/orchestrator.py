@@ -281,6 +281,8 @@ class Orchestrator:
         await vm.kill()
 
     async def _discard(self, rec: SandboxRecord) -> None:
+        """Remove everything a sandbox holds and its record, tolerating parts that are
+        already gone (a crashed server's leftovers, a create that failed midway)."""
         await self._kill_leftover_vm(rec.workdir / VM_DIR)
         with contextlib.suppress(Exception):
             await self.network.destroy(rec.slot)
@@ -438,10 +440,7 @@ class Orchestrator:
         except BaseException as exc:
             if vm is not None:
                 await vm.kill()
-            with contextlib.suppress(Exception):
-                await self.network.destroy(slot)
-            shutil.rmtree(workdir, ignore_errors=True)
-            self.store.delete_sandbox(sandbox_id)
+            await self._discard(rec)
             if isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError):
                 log.error("sandbox %s failed to start: %s", sandbox_id, exc)
                 raise SandboxStartFailed(f"sandbox failed to start: {exc}") from exc
@@ -581,30 +580,24 @@ class Orchestrator:
             raise OperationFailed(f"template of sandbox {rec.sandbox_id}: {exc}") from exc
 
     # -- changes -------------------------------------------------------------------------
-    async def set_timeout(self, sandbox_id: str, timeout: int) -> SandboxView:
+    async def set_timeout(
+        self, sandbox_id: str, timeout: int, *, only_extend: bool = False
+    ) -> SandboxView:
+        """End the sandbox's life ``timeout`` seconds from now; with ``only_extend`` only
+        if that is later than its current end (connect and refresh never shorten it)."""
         self._check_timeout(timeout)
         async with self._lock(sandbox_id):
             view = self.get(sandbox_id)
             end_at = utcnow() + timedelta(seconds=timeout)
-            self.store.update_sandbox(sandbox_id, end_at=end_at)
-            view.record.end_at = end_at
-            return view
-
-    async def extend_timeout(self, sandbox_id: str, timeout: int) -> SandboxView:
-        """Move the end of life to ``now + timeout`` only if that is later."""
-        self._check_timeout(timeout)
-        async with self._lock(sandbox_id):
-            view = self.get(sandbox_id)
-            end_at = max(view.record.end_at, utcnow() + timedelta(seconds=timeout))
+            if only_extend:
+                end_at = max(view.record.end_at, end_at)
             self.store.update_sandbox(sandbox_id, end_at=end_at)
             view.record.end_at = end_at
             return view
 
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
-            rec = self.store.get_sandbox(sandbox_id)
-            if rec is None or rec.state not in ("running", "paused"):
-                raise SandboxNotFound(sandbox_id)
+            rec = self._existing(sandbox_id)
             phases = _PhaseTimer()
             self.store.update_sandbox(sandbox_id, state="killing")
             vm = self._vms.pop(sandbox_id, None)
