@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import E2B
 
+from tests.e2b.support import sdk_client
 from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
@@ -73,7 +73,7 @@ def test_kill_a_paused_sandbox(server: ServerProcess) -> None:
 
 
 def test_sdk_pause_and_connect(server: ServerProcess) -> None:
-    e2b = E2B(api_url=server.url, sandbox_url=server.url, api_key=server.api_key, debug=False)
+    e2b = sdk_client(server)
     sbx = e2b.Sandbox.create(timeout=300)
     try:
         sbx.files.write("/home/user/sdk.txt", "before pause")
@@ -104,7 +104,7 @@ def test_restart_keeps_paused_sandboxes(test_root: Path, guest_image: None) -> N
 def test_auto_pause_at_timeout(server: ServerProcess) -> None:
     """``autoPause`` (the SDK's ``lifecycle={"on_timeout": "pause"}``) pauses instead of
     killing when the timeout passes; the sandbox then waits for a connect."""
-    e2b = E2B(api_url=server.url, sandbox_url=server.url, api_key=server.api_key, debug=False)
+    e2b = sdk_client(server)
     sbx = e2b.Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"})
     try:
         sbx.files.write("/home/user/kept.txt", "still here")

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2b import E2B
 
+from tests.e2b.support import sdk_client
 from tests.helpers import ServerProcess, free_port, live_server
 
 
@@ -20,3 +22,9 @@ def e2b_server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     )
     with live_server(srv):
         yield srv
+
+
+@pytest.fixture(scope="session")
+def e2b(e2b_server: ServerProcess) -> E2B:
+    """The SDK, bound to ``e2b_server``."""
+    return sdk_client(e2b_server)

@@ -8,15 +8,9 @@ from collections.abc import Iterator
 import pytest
 from e2b import E2B, CommandExitException, PtySize, Sandbox
 
-from tests.e2b.support import sdk_client, wait_until
-from tests.helpers import ServerProcess
+from tests.e2b.support import wait_until
 
 pytestmark = pytest.mark.vm
-
-
-@pytest.fixture(scope="module")
-def e2b(e2b_server: ServerProcess) -> E2B:
-    return sdk_client(e2b_server)
 
 
 @pytest.fixture(scope="module")

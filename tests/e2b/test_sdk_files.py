@@ -20,15 +20,7 @@ from e2b import (
 )
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 
-from tests.e2b.support import sdk_client
-from tests.helpers import ServerProcess
-
 pytestmark = pytest.mark.vm
-
-
-@pytest.fixture(scope="module")
-def e2b(e2b_server: ServerProcess) -> E2B:
-    return sdk_client(e2b_server)
 
 
 @pytest.fixture(scope="module")

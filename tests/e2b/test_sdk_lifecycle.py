@@ -18,15 +18,10 @@ from e2b import (
     SandboxState,
 )
 
-from tests.e2b.support import sdk_client, sdk_opts
+from tests.e2b.support import sdk_opts
 from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.vm
-
-
-@pytest.fixture(scope="module")
-def e2b(e2b_server: ServerProcess) -> E2B:
-    return sdk_client(e2b_server)
 
 
 @pytest.fixture(scope="module")

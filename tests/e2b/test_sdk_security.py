@@ -16,15 +16,9 @@ import httpx
 import pytest
 from e2b import E2B, Sandbox, SandboxNotFoundException, SandboxNotRunningException
 
-from tests.e2b.support import sdk_client
 from tests.helpers import ServerProcess, envelope, read_envelopes
 
 pytestmark = pytest.mark.vm
-
-
-@pytest.fixture(scope="module")
-def e2b(e2b_server: ServerProcess) -> E2B:
-    return sdk_client(e2b_server)
 
 
 @pytest.fixture(scope="module")
