@@ -85,6 +85,10 @@ class Config:
         return self.home / "templates"
 
     @property
+    def snapshots_dir(self) -> Path:
+        return self.home / "snapshots"
+
+    @property
     def sandboxes_dir(self) -> Path:
         return self.home / "sandboxes"
 

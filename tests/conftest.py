@@ -24,7 +24,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def test_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="aenv-test-", dir="/var/tmp"))
+    # scripts/test puts AENV_TEST_DIR on a reflink-capable filesystem, as a production
+    # data directory is; elsewhere the servers fall back to copies.
+    base = Path(os.environ.get("AENV_TEST_DIR", "/var/tmp"))
+    base.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="aenv-test-", dir=base))
     yield root
     kill_vmms(str(root))
     shutil.rmtree(root, ignore_errors=True)

@@ -25,18 +25,27 @@ from agentenv import __version__
 from agentenv.api.models import (
     ConnectRequest,
     ErrorBody,
+    ForkRequest,
+    ForkResult,
     Health,
     Lifecycle,
+    Lineage,
     NewSandbox,
     PauseRequest,
     RefreshRequest,
     Sandbox,
     SandboxDetail,
     SandboxMetric,
+    SnapshotInfo,
+    SnapshotRequest,
     TimeoutRequest,
 )
-from agentenv.orchestrator.errors import Conflict, OrchestratorError
-from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
+from agentenv.orchestrator.errors import (
+    Conflict,
+    OrchestratorError,
+    SnapshotNotFound,
+)
+from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView, SnapshotView
 from agentenv.orchestrator.templates import BASE_TEMPLATE
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
@@ -151,7 +160,27 @@ def create_app(
             metadata=rec.metadata,
             envdAccessToken=rec.envd_token,
             domain=orchestrator.config.domain,
-            lifecycle=Lifecycle(autoResume=False, onTimeout="pause" if rec.auto_pause else "kill"),
+            lifecycle=Lifecycle(
+                autoResume=rec.auto_resume, onTimeout="pause" if rec.auto_pause else "kill"
+            ),
+            pauseMode="full" if view.state == "paused" else None,
+            lineage=Lineage(
+                parentID=rec.parent_id,
+                sourceID=rec.template_id,
+                snapshotID=rec.snapshot_id,
+                children=list(view.children),
+            ),
+        )
+
+    def snapshot_body(view: SnapshotView) -> SnapshotInfo:
+        rec = view.record
+        return SnapshotInfo(
+            snapshotID=rec.snapshot_id,
+            names=view.names,
+            sandboxID=rec.sandbox_id,
+            templateID=rec.template_id,
+            parentID=rec.parent_id,
+            createdAt=rec.created_at,
         )
 
     # -- routes --------------------------------------------------------------------------
@@ -187,6 +216,7 @@ def create_app(
                 # E2B sandboxes reach the internet unless told otherwise.
                 allow_internet=body.allow_internet_access is not False,
                 auto_pause=body.auto_pause,
+                auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
             )
             return sandbox_body(view)
 
@@ -391,6 +421,102 @@ def create_app(
         timeout = body.timeout if body and body.timeout is not None else None
         return sandbox_body(await orchestrator.resume(sandbox_id, timeout))
 
+    # -- snapshots and forks ---------------------------------------------------------------
+    @app.post(
+        "/sandboxes/{sandbox_id}/snapshots",
+        status_code=201,
+        response_model=SnapshotInfo,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["snapshots"],
+    )
+    async def create_snapshot(sandbox_id: str, body: SnapshotRequest | None = None) -> SnapshotInfo:
+        """Snapshot a running sandbox, which keeps running. The snapshot's id or name is
+        accepted wherever a template is."""
+        if body is not None and body.memory is False:
+            raise ApiError(400, "memory: filesystem-only snapshots are not supported")
+        name = body.name if body else None
+        return snapshot_body(await orchestrator.snapshot(sandbox_id, name))
+
+    @app.get(
+        "/snapshots",
+        response_model=list[SnapshotInfo],
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["snapshots"],
+    )
+    async def list_snapshots(
+        response: Response,
+        sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
+        name: str | None = None,
+        limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+    ) -> list[SnapshotInfo]:
+        views = orchestrator.list_snapshots(sandbox_id)
+        if name:
+            views = [v for v in views if name in v.names]
+        if next_token:
+            views = [v for v in views if _snapshot_page_key(v) > next_token]
+        if limit is not None and len(views) > limit:
+            views = views[:limit]
+            response.headers["X-Next-Token"] = _snapshot_page_key(views[-1])
+        return [snapshot_body(v) for v in views]
+
+    @app.get(
+        "/snapshots/{snapshot_id}",
+        response_model=SnapshotInfo,
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["snapshots"],
+    )
+    async def get_snapshot(snapshot_id: str) -> SnapshotInfo:
+        return snapshot_body(orchestrator.get_snapshot(snapshot_id))
+
+    @app.delete(
+        "/snapshots/{snapshot_id}", status_code=204, dependencies=authed, tags=["snapshots"]
+    )
+    async def delete_snapshot(snapshot_id: str) -> Response:
+        orchestrator.delete_snapshot(snapshot_id)
+        return Response(status_code=204)
+
+    @app.delete(
+        "/templates/{template_id:path}", status_code=204, dependencies=authed, tags=["templates"]
+    )
+    async def delete_template(template_id: str) -> Response:
+        """The SDK deletes snapshots through this route (they are templates to E2B)."""
+        try:
+            orchestrator.delete_snapshot(template_id)
+        except SnapshotNotFound:
+            if orchestrator.store.get_template(template_id) is None:
+                raise ApiError(404, f"template or snapshot {template_id!r} not found") from None
+            raise ApiError(
+                409, f"template {template_id!r} is built in and cannot be deleted"
+            ) from None
+        return Response(status_code=204)
+
+    @app.post(
+        "/sandboxes/{sandbox_id}/fork",
+        status_code=201,
+        response_model=list[ForkResult],
+        response_model_by_alias=True,
+        response_model_exclude_none=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def fork_sandbox(sandbox_id: str, body: ForkRequest | None = None) -> list[ForkResult]:
+        """Fork a running sandbox into ``count`` children on this node; the parent keeps
+        running. One item per child: its sandbox or the error that stopped it."""
+        body = body or ForkRequest()
+        results = await orchestrator.fork(sandbox_id, body.count, body.timeout)
+        out = []
+        for result in results:
+            if isinstance(result, SandboxView):
+                out.append(ForkResult(sandbox=sandbox_body(result)))
+            else:
+                status = result.status if isinstance(result, OrchestratorError) else 500
+                out.append(ForkResult(error=ErrorBody(code=status, message=str(result))))
+        return out
+
     return app
 
 
@@ -418,6 +544,10 @@ class IdempotentCreates:
 
 def _failed(task: asyncio.Task[Sandbox]) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
+
+
+def _snapshot_page_key(view: SnapshotView) -> str:
+    return view.record.created_at.isoformat() + "|" + view.snapshot_id
 
 
 def _page_key(view: SandboxView) -> str:

@@ -27,7 +27,14 @@ class NewSandbox(BaseModel):
     env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
     secure: bool = False
     auto_pause: bool = Field(default=False, alias="autoPause")
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
+
+
+class AutoResume(BaseModel):
+    """Whether traffic through the proxy wakes the sandbox when it is paused."""
+
+    enabled: bool = False
 
 
 class Sandbox(BaseModel):
@@ -65,6 +72,30 @@ class SandboxDetail(BaseModel):
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     domain: str | None = None
     lifecycle: Lifecycle | None = None
+    pause_mode: Literal["full", "filesystem"] | None = Field(default=None, alias="pauseMode")
+    lineage: Lineage | None = None
+
+
+class Lineage(BaseModel):
+    """Where a sandbox comes from and what came from it (agentenv's addition to E2B's
+    sandbox detail)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    parent_id: str | None = Field(
+        default=None, alias="parentID", description="the sandbox this one was forked from"
+    )
+    source_id: str = Field(
+        alias="sourceID", description="the template or snapshot it was started from"
+    )
+    snapshot_id: str | None = Field(
+        default=None,
+        alias="snapshotID",
+        description="the snapshot (or fork image) its disk currently builds on",
+    )
+    children: list[str] = Field(
+        default_factory=list, description="live sandboxes forked from this one"
+    )
 
 
 class Lifecycle(BaseModel):
@@ -121,3 +152,37 @@ class SandboxMetric(BaseModel):
     mem_cache: int = Field(alias="memCache")
     disk_used: int = Field(alias="diskUsed")
     disk_total: int = Field(alias="diskTotal")
+
+
+class SnapshotRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[\w.:/-]+$")
+    memory: bool | None = None
+
+
+class SnapshotInfo(BaseModel):
+    """A persistent snapshot; its id or name starts sandboxes like a template."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    snapshot_id: str = Field(alias="snapshotID")
+    names: list[str]
+    sandbox_id: str | None = Field(default=None, alias="sandboxID")
+    template_id: str | None = Field(default=None, alias="templateID")
+    parent_id: str | None = Field(default=None, alias="parentID")
+    created_at: datetime | None = Field(default=None, alias="createdAt")
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    timeout: int | None = Field(default=None, ge=0)
+    count: int = Field(default=1, ge=1, le=20)
+
+
+class ForkResult(BaseModel):
+    """One child of a fork: the sandbox, or why it did not start."""
+
+    sandbox: Sandbox | None = None
+    error: ErrorBody | None = None

@@ -57,3 +57,11 @@ class OperationFailed(OrchestratorError):
     """A lifecycle operation failed; the sandbox is left in the state it was in before."""
 
     status = 500
+
+
+class SnapshotNotFound(OrchestratorError):
+    status = 404
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"snapshot {key!r} not found")
+        self.key = key

@@ -1,9 +1,29 @@
-"""The orchestrator: creates, tracks, expires and kills sandboxes.
+"""The orchestrator: creates, tracks, pauses, snapshots, forks, expires and kills
+sandboxes.
 
-Lifecycle: :meth:`Orchestrator.startup` (open the store, re-adopt or clean what a previous
+Lifecycle: :meth:`Orchestrator.startup` (open the store, re-adopt or settle what a previous
 run left, start the reaper and the base template build), then requests, then
-:meth:`Orchestrator.shutdown`. Every state change of a sandbox happens here, under that
-sandbox's lock, and is written to the store before the call returns.
+:meth:`Orchestrator.shutdown`. Every state change of a sandbox happens here, in one
+operation at a time per sandbox (:meth:`Orchestrator._exclusive`), and is written to the
+store before the call returns.
+
+State machine (``SandboxRecord.state``)::
+
+    creating -> running <-> pausing -> paused <-> resuming -> running
+                running -> snapshotting -> running
+                running -> forking -> running
+        running | paused -> killing -> (gone)
+
+Operations on one sandbox run one after another; an identical request arriving while one
+is queued or running joins it (two ``pause`` calls get one pause). Operations run as tasks
+of their own, so a client that disconnects never aborts one half-way. Failures roll back:
+a failed pause, snapshot or fork leaves the sandbox running, a failed resume leaves it
+paused.
+
+Memory: on a node whose data directory can reflink (XFS, btrfs), a sandbox's RAM is a file
+of its own (``memory.raw``, a clone of the template's, mapped shared): pausing it writes
+device state only and resuming maps the same file again. Otherwise, and for fork children,
+RAM is a private copy-on-write mapping of the source's image, and pausing streams RAM.
 """
 
 from __future__ import annotations
@@ -16,10 +36,11 @@ import secrets
 import shutil
 import string
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar, cast
 
 import httpx
 
@@ -35,11 +56,14 @@ from agentenv.orchestrator.errors import (
     OperationFailed,
     SandboxNotFound,
     SandboxStartFailed,
+    SnapshotNotFound,
+    TemplateNotFound,
 )
-from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
-from agentenv.orchestrator.templates import Template, TemplateManager
-from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
-from agentenv.storage.images import DiskFormat, writable_disk
+from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store, utcnow
+from agentenv.orchestrator.templates import TemplateManager
+from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_manifest
+from agentenv.storage.clone import clone_file, flush_file, supports_reflink
+from agentenv.storage.images import DiskFormat, backing_chain, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
     MachineSpec,
@@ -52,21 +76,33 @@ from agentenv.vmm.base import (
 
 log = logging.getLogger("agentenv.orchestrator")
 
+T = TypeVar("T")
+
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 VM_DIR = "vm"
-# A paused sandbox's saved machine lives here, next to its disk overlay.
+MEMORY_FILE = "memory.raw"
+# A paused sandbox's saved machine lives here, next to its disk and RAM files.
 PAUSED_DIR = "paused"
 PAUSED_MANIFEST = "snapshot.json"
 AUTO_PAUSE_RETRY_S = 60
-# States in which a sandbox exists for callers. A sandbox being created or killed does
-# not; one being paused or resumed does, as what it was before the change.
-VISIBLE_STATES = ("running", "paused", "pausing", "resuming")
+# How often running sandboxes' RAM files are written back. A snapshot or fork must write
+# back what is dirty while the guest is stopped (or just before); doing it regularly in
+# the background keeps that to what changed in the last few seconds.
+RAM_FLUSH_INTERVAL_S = 5.0
+MAX_FORK_CHILDREN = 20
+# States in which a sandbox exists for callers, and what they read as: SDKs know only
+# "running" and "paused", and a sandbox in transition is still what it was.
 PUBLIC_STATE = {
     "running": "running",
     "pausing": "running",
+    "snapshotting": "running",
+    "forking": "running",
     "paused": "paused",
     "resuming": "paused",
 }
+VISIBLE_STATES = tuple(PUBLIC_STATE)
+# States a VMM process exists in (re-adopted after a restart).
+_VM_STATES = ("running", "pausing", "snapshotting", "forking")
 
 
 class _PhaseTimer:
@@ -88,13 +124,6 @@ class _PhaseTimer:
         return f"{total:.0f} ms ({parts})"
 
 
-def _existing_disk(workdir: Path) -> tuple[Path, DiskFormat]:
-    qcow2 = workdir / "disk.qcow2"
-    if qcow2.exists():
-        return qcow2, "qcow2"
-    return workdir / "disk.raw", "raw"
-
-
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -108,6 +137,19 @@ def _disk_format(value: str) -> DiskFormat:
     if value not in ("raw", "qcow2"):
         raise SandboxStartFailed(f"template disk has unknown format {value!r}")
     return "qcow2" if value == "qcow2" else "raw"
+
+
+def _legacy_disk(workdir: Path) -> tuple[Path, DiskFormat]:
+    """The disk of a sandbox recorded before disk paths were stored."""
+    qcow2 = workdir / "disk.qcow2"
+    if qcow2.exists():
+        return qcow2, "qcow2"
+    return workdir / "disk.raw", "raw"
+
+
+def _next_top(workdir: Path) -> Path:
+    """A new name for a sandbox's writable disk image after its current one is sealed."""
+    return workdir / f"disk-{secrets.token_hex(4)}.qcow2"
 
 
 def resolve_subnet(config: Config) -> str:
@@ -128,12 +170,17 @@ def new_sandbox_id() -> str:
     return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
 
 
+def new_snapshot_id() -> str:
+    return "snap-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(16))
+
+
 @dataclass(frozen=True)
 class SandboxView:
     """What callers see of a sandbox."""
 
     record: SandboxRecord
     guest_address: str
+    children: tuple[str, ...] = ()
 
     @property
     def sandbox_id(self) -> str:
@@ -141,9 +188,45 @@ class SandboxView:
 
     @property
     def state(self) -> str:
-        """``running`` or ``paused``: a pause or resume in progress shows the state the
-        sandbox is leaving, which is what it still is until the change completes."""
+        """``running`` or ``paused``: a change in progress shows the state the sandbox
+        is leaving, which is what it still is until the change completes."""
         return PUBLIC_STATE.get(self.record.state, self.record.state)
+
+
+@dataclass(frozen=True)
+class SnapshotView:
+    record: SnapshotRecord
+
+    @property
+    def snapshot_id(self) -> str:
+        return self.record.snapshot_id
+
+    @property
+    def names(self) -> list[str]:
+        return [self.record.name] if self.record.name else []
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What a new sandbox starts from: a template build, a snapshot or a fork image."""
+
+    template_id: str
+    build_id: str
+    snapshot: MachineSnapshot
+    snapshot_id: str | None
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What a new sandbox is given (and a fork child inherits from its parent)."""
+
+    metadata: dict[str, str]
+    env_vars: dict[str, str]
+    secure: bool
+    allow_internet: bool
+    auto_pause: bool
+    auto_resume: bool
+    parent_id: str | None = None
 
 
 class Orchestrator:
@@ -168,6 +251,10 @@ class Orchestrator:
         )
         self._vms: dict[str, VirtualMachine] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Task[object]] = {}
+        # envd /init after a resume, which traffic to the sandbox waits for.
+        self._settling: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[object]] = set()
         self._reserved_slots: set[int] = set()
         self.templates = TemplateManager(
             config,
@@ -179,18 +266,37 @@ class Orchestrator:
             self._release_slot,
             self.http,
         )
+        # Whether new sandboxes get RAM files of their own (decided in startup()).
+        self.own_memory_files = False
         self._reaper: asyncio.Task[None] | None = None
+        self._flusher: asyncio.Task[None] | None = None
         self._base_build: asyncio.Task[object] | None = None
         self._started = False
 
     # -- lifecycle -----------------------------------------------------------------------
     async def startup(self, *, build_base: bool = True) -> None:
-        for d in (self.config.home, self.config.templates_dir, self.config.sandboxes_dir):
+        for d in (
+            self.config.home,
+            self.config.templates_dir,
+            self.config.sandboxes_dir,
+            self.config.snapshots_dir,
+        ):
             d.mkdir(parents=True, exist_ok=True)
+        reflinks = supports_reflink(self.config.sandboxes_dir)
+        self.own_memory_files = reflinks and self.driver.shared_memory_boot
+        log.info(
+            "data directory %s %s reflinks: sandbox RAM is %s",
+            self.config.home,
+            "supports" if reflinks else "does not support",
+            "a file of its own (fast pause and snapshot)"
+            if self.own_memory_files
+            else "a private mapping of the template's (pause streams RAM)",
+        )
         self.store.open()
         self.templates.cleanup_staging()
         await self._recover()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
         if build_base:
             self._base_build = asyncio.get_running_loop().create_task(self._build_base_quietly())
         self._started = True
@@ -198,11 +304,14 @@ class Orchestrator:
     async def shutdown(self, *, kill_sandboxes: bool = False) -> None:
         """Stop background work. Sandboxes keep running (their VMMs live in their own
         sessions) and are re-adopted by the next start, unless ``kill_sandboxes``."""
-        for task in (self._reaper, self._base_build):
+        for task in (self._reaper, self._flusher, self._base_build):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        for op in list(self._inflight.values()):
+            with contextlib.suppress(Exception):
+                await op
         if kill_sandboxes:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
@@ -223,13 +332,13 @@ class Orchestrator:
 
     async def _recover(self) -> None:
         """Re-adopt sandboxes whose VMM survived the previous server, keep paused ones
-        whose saved state is complete, settle interrupted pauses and resumes, and clean
-        up the rest."""
+        whose saved state is complete, settle interrupted operations, and clean up what
+        cannot be recovered."""
         kept: set[int] = set()
         for rec in self.store.list_sandboxes():
             vm_dir = rec.workdir / VM_DIR
             saved = (rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).exists()
-            if rec.state in ("running", "pausing"):
+            if rec.state in _VM_STATES:
                 try:
                     vm = await self.driver.attach(vm_dir)
                 except VMMError as exc:
@@ -241,11 +350,14 @@ class Orchestrator:
                         continue
                     log.warning("sandbox %s lost (%s); cleaning it up", rec.sandbox_id, exc)
                 else:
-                    if rec.state == "pausing":
-                        # The VM is still there, maybe stopped mid-save: it wins.
-                        await vm.resume()
+                    if rec.state != "running":
+                        # Stopped mid-save, mid-snapshot or mid-fork: the running VM wins.
+                        with contextlib.suppress(VMMError):
+                            await vm.resume()
                         shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
-                        self.store.update_sandbox(rec.sandbox_id, state="running")
+                    # A seal may have moved the disk to a new top before the crash.
+                    drive = next(d for d in vm.spec.drives if d.drive_id == "root")
+                    self.store.update_sandbox(rec.sandbox_id, state="running", disk_path=drive.path)
                     self._vms[rec.sandbox_id] = vm
                     kept.add(rec.slot)
                     log.info("re-adopted running sandbox %s", rec.sandbox_id)
@@ -257,7 +369,7 @@ class Orchestrator:
                     await self.network.destroy(rec.slot)
                     self.store.update_sandbox(rec.sandbox_id, state="paused")
                 continue
-            elif rec.state == "paused":
+            elif rec.state in ("paused", "resuming"):
                 log.warning("paused sandbox %s has no saved state; cleaning it up", rec.sandbox_id)
             await self._discard(rec)
         known = {rec.workdir for rec in self.store.list_sandboxes()}
@@ -267,9 +379,27 @@ class Orchestrator:
                     log.info("removing orphaned sandbox directory %s", path)
                     await self._kill_leftover_vm(path / VM_DIR)
                     shutil.rmtree(path, ignore_errors=True)
+        self._recover_snapshots()
         removed = await self.network.reclaim(kept)
         if removed:
             log.info("reclaimed leftover network resources: %s", ", ".join(removed))
+
+    def _recover_snapshots(self) -> None:
+        """A snapshot whose manifest was never written did not complete: hide it (its
+        layer may back a sandbox's disk) and let collection remove it once unused."""
+        for snap in self.store.list_snapshots():
+            if snap.state == "ready" and not (snap.snapshot_dir / PAUSED_MANIFEST).exists():
+                log.warning("snapshot %s is incomplete; hiding it", snap.snapshot_id)
+                self.store.update_snapshot(snap.snapshot_id, state="deleted")
+            elif snap.kind == "fork" and snap.state == "ready":
+                # Its children were started (or never will be): only they keep it.
+                self.store.update_snapshot(snap.snapshot_id, state="deleted")
+        known = {s.snapshot_dir for s in self.store.list_snapshots()}
+        for path in self.config.snapshots_dir.iterdir():
+            if path not in known:
+                log.info("removing unrecorded snapshot directory %s", path)
+                shutil.rmtree(path, ignore_errors=True)
+        self.collect_snapshots()
 
     async def _kill_leftover_vm(self, vm_dir: Path) -> None:
         if not vm_dir.exists():
@@ -289,6 +419,39 @@ class Orchestrator:
         shutil.rmtree(rec.workdir, ignore_errors=True)
         self.store.delete_sandbox(rec.sandbox_id)
 
+    # -- one operation at a time per sandbox ---------------------------------------------
+    async def _exclusive(
+        self, sandbox_id: str, kind: str, work: Callable[[], Awaitable[T]], *, join: bool
+    ) -> T:
+        """Run ``work`` under the sandbox's lock, as a task of its own: the caller going
+        away (a client disconnect cancels its request) does not cancel the operation.
+        With ``join``, a caller asking for the same kind of operation while one is
+        queued or running gets that one's outcome instead of a second run."""
+        key = (sandbox_id, kind)
+        task = cast("asyncio.Task[T] | None", self._inflight.get(key) if join else None)
+        if task is None:
+
+            async def locked() -> T:
+                async with self._lock(sandbox_id):
+                    return await work()
+
+            task = asyncio.get_running_loop().create_task(locked())
+            if join:
+                self._inflight[key] = cast("asyncio.Task[object]", task)
+
+                def forget(done: asyncio.Task[object]) -> None:
+                    if self._inflight.get(key) is done:
+                        del self._inflight[key]
+
+                task.add_done_callback(forget)
+            else:
+                self._keep(cast("asyncio.Task[object]", task))
+        return await asyncio.shield(task)
+
+    def _keep(self, task: asyncio.Task[object]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # -- slots ---------------------------------------------------------------------------
     def _reserve_slot(self) -> int:
         used = self.store.used_slots() | self._reserved_slots
@@ -307,14 +470,21 @@ class Orchestrator:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
     # -- queries -------------------------------------------------------------------------
-    def _view(self, rec: SandboxRecord) -> SandboxView:
-        return SandboxView(rec, self.network.describe(rec.slot).guest_address)
+    def _view(self, rec: SandboxRecord, *, with_children: bool = False) -> SandboxView:
+        children: tuple[str, ...] = ()
+        if with_children:
+            children = tuple(
+                r.sandbox_id
+                for r in self.store.list_sandboxes()
+                if r.parent_id == rec.sandbox_id and r.state in VISIBLE_STATES
+            )
+        return SandboxView(rec, self.network.describe(rec.slot).guest_address, children)
 
     def get(self, sandbox_id: str) -> SandboxView:
         rec = self.store.get_sandbox(sandbox_id)
         if rec is None or rec.state not in VISIBLE_STATES:
             raise SandboxNotFound(sandbox_id)
-        return self._view(rec)
+        return self._view(rec, with_children=True)
 
     def list_sandboxes(self) -> list[SandboxView]:
         return [self._view(r) for r in self.store.list_sandboxes() if r.state in VISIBLE_STATES]
@@ -327,12 +497,57 @@ class Orchestrator:
         except envd_client.EnvdUnreachable as exc:
             raise GuestUnavailable(f"sandbox {sandbox_id}: {exc}") from exc
 
+    async def ready_for_traffic(self, sandbox_id: str) -> SandboxView:
+        """The sandbox once it can take proxied traffic: a paused sandbox created with
+        ``autoResume`` is resumed, an operation in progress is waited for, and so is
+        envd's re-initialisation after a resume. Raises :class:`Conflict` for a sandbox
+        that is paused and stays so."""
+        rec = self.store.get_sandbox(sandbox_id)
+        if rec is None or rec.state not in VISIBLE_STATES:
+            raise SandboxNotFound(sandbox_id)
+        if rec.state == "paused":
+            if not rec.auto_resume:
+                raise Conflict(f"sandbox {sandbox_id} is paused")
+            with contextlib.suppress(Conflict):  # someone else resumed it first
+                await self.resume(sandbox_id)
+        elif rec.state != "running":
+            for (sid, _), task in list(self._inflight.items()):
+                if sid == sandbox_id:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(task)
+        settling = self._settling.get(sandbox_id)
+        if settling is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(settling)
+        view = self.get(sandbox_id)
+        if view.record.state != "running":
+            raise Conflict(f"sandbox {sandbox_id} is {view.state}")
+        return view
+
     # -- create --------------------------------------------------------------------------
     def _check_timeout(self, timeout: int) -> None:
         if timeout < 0:
             raise InvalidRequest("timeout must not be negative")
         if timeout > self.config.max_timeout:
             raise InvalidRequest(f"timeout must be at most {self.config.max_timeout} seconds")
+
+    async def _resolve_source(self, template_id: str) -> _Source:
+        """A template id (or alias), or a snapshot id or name: all start sandboxes."""
+        snap_rec = self.store.get_snapshot(template_id)
+        if snap_rec is not None and snap_rec.kind == "snapshot" and snap_rec.state == "ready":
+            try:
+                snapshot = MachineSnapshot.load(snap_rec.snapshot_dir)
+            except SnapshotError as exc:
+                raise SandboxStartFailed(f"snapshot {template_id}: {exc}") from exc
+            key = snap_rec.snapshot_id
+            return _Source(key, key, snapshot, key)
+        try:
+            template = await self.templates.get(template_id)
+        except TemplateNotFound:
+            raise TemplateNotFound(template_id) from None
+        return _Source(
+            template.record.template_id, template.record.build_id, template.snapshot, None
+        )
 
     async def create(
         self,
@@ -344,48 +559,56 @@ class Orchestrator:
         secure: bool = False,
         allow_internet: bool = False,
         auto_pause: bool = False,
+        auto_resume: bool = False,
     ) -> SandboxView:
         timeout = self.config.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
-        template = await self.templates.get(template_id)
+        source = await self._resolve_source(template_id)
+        identity = _Identity(
+            metadata=metadata or {},
+            env_vars=env_vars or {},
+            secure=secure,
+            allow_internet=allow_internet,
+            auto_pause=auto_pause,
+            auto_resume=auto_resume,
+        )
+        return await self._start(source, identity, timeout, private_memory=False)
+
+    async def _start(
+        self, source: _Source, identity: _Identity, timeout: int, *, private_memory: bool
+    ) -> SandboxView:
         sandbox_id = new_sandbox_id()
-        async with self._lock(sandbox_id):
+
+        async def work() -> SandboxView:
             slot = self._reserve_slot()
             try:
                 return await self._create_locked(
-                    sandbox_id,
-                    template,
-                    slot,
-                    timeout=timeout,
-                    metadata=metadata or {},
-                    env_vars=env_vars or {},
-                    secure=secure,
-                    allow_internet=allow_internet,
-                    auto_pause=auto_pause,
+                    sandbox_id, source, identity, slot, timeout, private_memory
                 )
             finally:
                 self._release_slot(slot)
 
+        return await self._exclusive(sandbox_id, "create", work, join=False)
+
     async def _create_locked(
         self,
         sandbox_id: str,
-        template: Template,
+        source: _Source,
+        identity: _Identity,
         slot: int,
-        *,
         timeout: int,
-        metadata: dict[str, str],
-        env_vars: dict[str, str],
-        secure: bool,
-        allow_internet: bool,
-        auto_pause: bool,
+        private_memory: bool,
     ) -> SandboxView:
-        snap = template.snapshot
+        snap = source.snapshot
         workdir = self.config.sandboxes_dir / sandbox_id
+        own_memory = self.driver.shared_memory_boot and (
+            snap.files.memory_file is None or (self.own_memory_files and not private_memory)
+        )
         now = utcnow()
         rec = SandboxRecord(
             sandbox_id=sandbox_id,
-            template_id=template.record.template_id,
-            template_build_id=template.record.build_id,
+            template_id=source.template_id,
+            template_build_id=source.build_id,
             state="creating",
             slot=slot,
             workdir=workdir,
@@ -395,11 +618,16 @@ class Orchestrator:
             memory_mib=snap.memory_mib,
             disk_size_mib=snap.disk_size_mib,
             envd_version=snap.envd_version,
-            envd_token=secrets.token_urlsafe(24) if secure else None,
-            metadata=metadata,
-            env_vars=env_vars,
-            auto_pause=auto_pause,
-            allow_internet=allow_internet,
+            envd_token=secrets.token_urlsafe(24) if identity.secure else None,
+            metadata=identity.metadata,
+            env_vars=identity.env_vars,
+            auto_pause=identity.auto_pause,
+            allow_internet=identity.allow_internet,
+            memory_mode="shared" if own_memory else "private",
+            source_dir=snap.directory,
+            parent_id=identity.parent_id,
+            snapshot_id=source.snapshot_id,
+            auto_resume=identity.auto_resume,
         )
         # The record goes first, so a crash mid-create leaves something to clean up.
         self.store.insert_sandbox(rec)
@@ -408,7 +636,8 @@ class Orchestrator:
         try:
             workdir.mkdir(parents=True)
             (workdir / VM_DIR).mkdir()
-            # Independent, so concurrent; a failure cancels the other before the rollback.
+            memory = workdir / MEMORY_FILE
+            # Independent, so concurrent; a failure cancels the others before the rollback.
             try:
                 async with asyncio.TaskGroup() as group:
                     disk_task = group.create_task(
@@ -420,21 +649,26 @@ class Orchestrator:
                         )
                     )
                     net_task = group.create_task(
-                        self.network.create(slot, allow_internet=allow_internet)
+                        self.network.create(slot, allow_internet=identity.allow_internet)
                     )
+                    if own_memory and snap.files.memory_file is not None:
+                        group.create_task(clone_file(snap.files.memory_file, memory))
             except BaseExceptionGroup as group_error:
                 raise group_error.exceptions[0] from None
             disk, disk_format = disk_task.result()
             net = net_task.result()
-            phases.mark("disk+network")
-            # Private mapping: the sandbox's RAM writes are copy-on-write in its own
-            # memory; the template image is shared through the page cache.
-            memory = snap.files.memory_file or (workdir / "memory.raw")
-            spec = self._machine_spec(snap, disk, disk_format, memory, net.netns)
+            self.store.update_sandbox(sandbox_id, disk_path=disk)
+            rec.disk_path = disk
+            phases.mark("disk+network+memory")
+            if not own_memory and snap.files.memory_file is not None:
+                # Private mapping: the sandbox's RAM writes are copy-on-write in its own
+                # memory; the source image is shared through the page cache.
+                memory = snap.files.memory_file
+            spec = self._machine_spec(snap, disk, disk_format, memory, own_memory, net.netns)
             vm = await self.driver.restore(spec, snap.files, workdir / VM_DIR)
             phases.mark("restore")
             await envd_client.init(
-                self.http, net.guest_address, env_vars=env_vars, access_token=rec.envd_token
+                self.http, net.guest_address, env_vars=rec.env_vars, access_token=rec.envd_token
             )
             phases.mark("envd_init")
         except BaseException as exc:
@@ -450,7 +684,7 @@ class Orchestrator:
         end_at = utcnow() + timedelta(seconds=timeout)
         self.store.update_sandbox(sandbox_id, state="running", end_at=end_at)
         rec.state, rec.end_at = "running", end_at
-        log.info("sandbox %s running (template %s) in %s", sandbox_id, rec.template_id, phases)
+        log.info("sandbox %s running (from %s) in %s", sandbox_id, rec.template_id, phases)
         return self._view(rec)
 
     def _machine_spec(
@@ -459,10 +693,11 @@ class Orchestrator:
         disk: Path,
         disk_format: DiskFormat,
         memory_file: Path,
+        memory_shared: bool,
         netns: str,
     ) -> MachineSpec:
-        """The machine a sandbox of template snapshot ``snap`` runs as: every restore of
-        it (create, resume) must present the same shape."""
+        """The machine a sandbox of snapshot ``snap`` runs as: every restore of it
+        (create, resume) must present the same shape."""
         return MachineSpec(
             vcpus=snap.vcpus,
             memory_mib=snap.memory_mib,
@@ -474,97 +709,134 @@ class Orchestrator:
                 DriveSpec("tools", snap.tools_drive, read_only=True),
             ),
             memory_file=memory_file,
-            memory_shared=False,
+            memory_shared=memory_shared,
             accel=self.accel,
             net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=netns),
         )
 
     # -- pause and resume ------------------------------------------------------------------
     async def pause(self, sandbox_id: str) -> SandboxView:
-        """Save the whole machine (device state and RAM) under the sandbox's directory,
-        then release its VMM process and network namespace. The disk overlay stays.
+        """Save the machine under the sandbox's directory and release its VMM process and
+        network namespace; disk and RAM files stay. Joins a pause already in progress.
 
         On failure the VM keeps running (the driver resumes it) and so does the sandbox."""
-        async with self._lock(sandbox_id):
-            rec = self._existing(sandbox_id)
-            if rec.state == "paused":
-                raise Conflict(f"sandbox {sandbox_id} is already paused")
-            vm = self._vms.get(sandbox_id)
-            if vm is None:
-                raise GuestUnavailable(f"sandbox {sandbox_id} has no VMM attached")
-            phases = _PhaseTimer()
-            dest = rec.workdir / PAUSED_DIR
+        return await self._exclusive(
+            sandbox_id, "pause", lambda: self._pause_locked(sandbox_id), join=True
+        )
+
+    async def _pause_locked(self, sandbox_id: str) -> SandboxView:
+        rec = self._existing(sandbox_id)
+        if rec.state == "paused":
+            raise Conflict(f"sandbox {sandbox_id} is already paused")
+        vm = self._running_vm(rec)
+        phases = _PhaseTimer()
+        dest = rec.workdir / PAUSED_DIR
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        self.store.update_sandbox(sandbox_id, state="pausing")
+        try:
+            # With RAM in the sandbox's own file this writes device state only.
+            files = await vm.save_state(dest)
+            _write_atomically(dest / PAUSED_MANIFEST, files.to_json())
+        except Exception as exc:
             shutil.rmtree(dest, ignore_errors=True)
-            dest.mkdir()
-            self.store.update_sandbox(sandbox_id, state="pausing")
-            try:
-                files = await vm.save_state(dest)
-                _write_atomically(dest / PAUSED_MANIFEST, files.to_json())
-            except Exception as exc:
-                shutil.rmtree(dest, ignore_errors=True)
-                with contextlib.suppress(VMMError):
-                    await vm.resume()
-                self.store.update_sandbox(sandbox_id, state="running")
-                raise OperationFailed(f"pausing sandbox {sandbox_id} failed: {exc}") from exc
-            phases.mark("save")
-            self._vms.pop(sandbox_id, None)
-            await vm.kill()
+            with contextlib.suppress(VMMError):
+                await vm.resume()
+            self.store.update_sandbox(sandbox_id, state="running")
+            raise OperationFailed(f"pausing sandbox {sandbox_id} failed: {exc}") from exc
+        phases.mark("save")
+        self._vms.pop(sandbox_id, None)
+        await vm.kill()
+        phases.mark("vm")
+        # The pause is complete once saved and the VMM is gone; a failing teardown of
+        # the network namespace is retried when the slot is next used.
+        try:
             await self.network.destroy(rec.slot)
-            phases.mark("release")
-            self.store.update_sandbox(sandbox_id, state="paused")
-            rec.state = "paused"
+        except Exception as exc:
+            log.warning("sandbox %s: releasing its network failed: %s", sandbox_id, exc)
+        phases.mark("network")
+        self.store.update_sandbox(sandbox_id, state="paused", pause_mode="full")
+        rec.state = "paused"
         log.info("sandbox %s paused in %s", sandbox_id, phases)
         return self._view(rec)
 
     async def resume(self, sandbox_id: str, timeout: int | None = None) -> SandboxView:
-        """Restore a paused sandbox with the same id, files and processes. On failure it
-        stays paused."""
+        """Restore a paused sandbox with the same id, files and processes; joins a resume
+        already in progress. Returns once the VM runs; envd's re-initialisation (clock,
+        entropy) finishes in the background and proxied traffic waits for it. On failure
+        the sandbox stays paused."""
         timeout = self.config.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
-        async with self._lock(sandbox_id):
-            rec = self._existing(sandbox_id)
-            if rec.state != "paused":
-                raise Conflict(f"sandbox {sandbox_id} is not paused")
-            phases = _PhaseTimer()
-            files = SnapshotFiles.from_json(
-                (rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).read_text()
-            )
-            snap = self._template_snapshot(rec)
-            disk, disk_format = _existing_disk(rec.workdir)
-            self.store.update_sandbox(sandbox_id, state="resuming")
-            vm: VirtualMachine | None = None
+        return await self._exclusive(
+            sandbox_id, "resume", lambda: self._resume_locked(sandbox_id, timeout), join=True
+        )
+
+    async def _resume_locked(self, sandbox_id: str, timeout: int) -> SandboxView:
+        rec = self._existing(sandbox_id)
+        if rec.state != "paused":
+            raise Conflict(f"sandbox {sandbox_id} is not paused")
+        phases = _PhaseTimer()
+        files = SnapshotFiles.from_json((rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).read_text())
+        snap = self._source_snapshot(rec)
+        disk, disk_format = self._current_disk(rec)
+        if files.memory_file is not None:
+            memory, shared = files.memory_file, True
+        else:
+            # RAM comes from the stream; it lands in a file of the sandbox's own when the
+            # VMM can map one, so the next pause is a device-state save.
+            memory, shared = rec.workdir / MEMORY_FILE, self.driver.shared_memory_boot
+            memory.unlink(missing_ok=True)
+        self.store.update_sandbox(sandbox_id, state="resuming")
+        vm: VirtualMachine | None = None
+        try:
+            vm_dir = rec.workdir / VM_DIR
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            vm_dir.mkdir()
+            net = await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+            phases.mark("network")
+            spec = self._machine_spec(snap, disk, disk_format, memory, shared, net.netns)
+            vm = await self.driver.restore(spec, files, vm_dir)
+            phases.mark("restore")
+        except Exception as exc:
+            if vm is not None:
+                await vm.kill()
+            with contextlib.suppress(Exception):
+                await self.network.destroy(rec.slot)
+            self.store.update_sandbox(sandbox_id, state="paused")
+            raise OperationFailed(f"resuming sandbox {sandbox_id} failed: {exc}") from exc
+        self._vms[sandbox_id] = vm
+        end_at = utcnow() + timedelta(seconds=timeout)
+        mode = "shared" if shared else "private"
+        self.store.update_sandbox(
+            sandbox_id, state="running", end_at=end_at, memory_mode=mode, pause_mode=None
+        )
+        rec.state, rec.end_at, rec.memory_mode = "running", end_at, mode
+        # The saved state is consumed: the running machine has moved on from it.
+        shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
+        self._settle(rec, net.guest_address)
+        log.info("sandbox %s resumed in %s", sandbox_id, phases)
+        return self._view(rec)
+
+    def _settle(self, rec: SandboxRecord, guest_address: str) -> None:
+        """Re-initialise envd after a restore (clock, entropy reseed, token), in the
+        background; :meth:`ready_for_traffic` waits for it."""
+
+        async def init() -> None:
             try:
-                vm_dir = rec.workdir / VM_DIR
-                shutil.rmtree(vm_dir, ignore_errors=True)
-                vm_dir.mkdir()
-                net = await self.network.create(rec.slot, allow_internet=rec.allow_internet)
-                spec = self._machine_spec(
-                    snap, disk, disk_format, rec.workdir / "memory.raw", net.netns
-                )
-                vm = await self.driver.restore(spec, files, vm_dir)
-                phases.mark("restore")
                 await envd_client.init(
                     self.http,
-                    net.guest_address,
+                    guest_address,
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
                 )
-                phases.mark("envd_init")
             except Exception as exc:
-                if vm is not None:
-                    await vm.kill()
-                with contextlib.suppress(Exception):
-                    await self.network.destroy(rec.slot)
-                self.store.update_sandbox(sandbox_id, state="paused")
-                raise OperationFailed(f"resuming sandbox {sandbox_id} failed: {exc}") from exc
-            self._vms[sandbox_id] = vm
-            end_at = utcnow() + timedelta(seconds=timeout)
-            self.store.update_sandbox(sandbox_id, state="running", end_at=end_at)
-            rec.state, rec.end_at = "running", end_at
-            # The saved state is consumed: the running machine has moved on from it.
-            shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
-        log.info("sandbox %s resumed in %s", sandbox_id, phases)
-        return self._view(rec)
+                log.error("sandbox %s: envd /init after resume failed: %s", rec.sandbox_id, exc)
+            finally:
+                if self._settling.get(rec.sandbox_id) is task:
+                    del self._settling[rec.sandbox_id]
+
+        task = asyncio.get_running_loop().create_task(init())
+        self._settling[rec.sandbox_id] = task
 
     def _existing(self, sandbox_id: str) -> SandboxRecord:
         rec = self.store.get_sandbox(sandbox_id)
@@ -572,12 +844,235 @@ class Orchestrator:
             raise SandboxNotFound(sandbox_id)
         return rec
 
-    def _template_snapshot(self, rec: SandboxRecord) -> MachineSnapshot:
-        directory = self.config.templates_dir / rec.template_id / rec.template_build_id
+    def _running_vm(self, rec: SandboxRecord) -> VirtualMachine:
+        if rec.state != "running":
+            raise Conflict(f"sandbox {rec.sandbox_id} is {PUBLIC_STATE[rec.state]}, not running")
+        vm = self._vms.get(rec.sandbox_id)
+        if vm is None:
+            raise GuestUnavailable(f"sandbox {rec.sandbox_id} has no VMM attached")
+        return vm
+
+    def _current_disk(self, rec: SandboxRecord) -> tuple[Path, DiskFormat]:
+        if rec.disk_path is None:
+            return _legacy_disk(rec.workdir)
+        return rec.disk_path, "qcow2" if rec.disk_path.suffix == ".qcow2" else "raw"
+
+    def _source_snapshot(self, rec: SandboxRecord) -> MachineSnapshot:
+        directory = rec.source_dir or (
+            self.config.templates_dir / rec.template_id / rec.template_build_id
+        )
         try:
             return MachineSnapshot.load(directory)
         except SnapshotError as exc:
-            raise OperationFailed(f"template of sandbox {rec.sandbox_id}: {exc}") from exc
+            raise OperationFailed(f"source of sandbox {rec.sandbox_id}: {exc}") from exc
+
+    # -- snapshots and forks ---------------------------------------------------------------
+    async def snapshot(
+        self, sandbox_id: str, name: str | None = None, *, metadata: dict[str, str] | None = None
+    ) -> SnapshotView:
+        """Capture a running sandbox, which keeps running, as a snapshot that starts new
+        sandboxes (by id or name, wherever a template is accepted)."""
+        if name is not None:
+            existing = self.store.get_snapshot(name)
+            if existing is not None and existing.state == "ready":
+                raise Conflict(f"a snapshot named {name!r} already exists")
+
+        async def work() -> SnapshotView:
+            rec = self._existing(sandbox_id)
+            snap_rec = await self._capture(rec, "snapshot", name, metadata or {})
+            return SnapshotView(snap_rec)
+
+        return await self._exclusive(sandbox_id, "snapshot", work, join=False)
+
+    async def _capture(
+        self, rec: SandboxRecord, kind: str, name: str | None, metadata: dict[str, str]
+    ) -> SnapshotRecord:
+        """Freeze a running sandbox into a new snapshot directory: device state, RAM
+        (a reflink of its RAM file, sharing unchanged extents) and its disk's current top
+        image, sealed in place while new writes go to a fresh top. The VM is stopped only
+        for that; it runs on afterwards whatever happens."""
+        vm = self._running_vm(rec)
+        phases = _PhaseTimer()
+        source = self._source_snapshot(rec)
+        base_depth = self._base_depth(rec, source)
+        snapshot_id = new_snapshot_id()
+        directory = self.config.snapshots_dir / snapshot_id
+        directory.mkdir()
+        # Recorded (hidden) before the disk is sealed: from then on the sandbox's disk
+        # may depend on this directory, so nothing may remove it unrecorded.
+        snap_rec = SnapshotRecord(
+            snapshot_id=snapshot_id,
+            name=None,
+            kind=kind,
+            state="deleted",
+            sandbox_id=rec.sandbox_id,
+            template_id=rec.template_id,
+            parent_id=rec.snapshot_id,
+            snapshot_dir=directory,
+            metadata=metadata,
+            created_at=utcnow(),
+        )
+        self.store.insert_snapshot(snap_rec)
+        state = "snapshotting" if kind == "snapshot" else "forking"
+        self.store.update_sandbox(rec.sandbox_id, state=state)
+        shared = rec.memory_mode == "shared"
+        sealed = False
+        try:
+            if shared:
+                # Write back most of the dirty RAM while the guest still runs: the
+                # reflink below must write back what is dirty, with the guest stopped.
+                await asyncio.to_thread(flush_file, vm.spec.memory_file)
+                phases.mark("flush")
+            files = await vm.save_state(directory)
+            phases.mark("save")
+            disk = directory / "disk.qcow2"
+            new_top = _next_top(rec.workdir)
+            old_top = next(d.path for d in vm.spec.drives if d.drive_id == "root")
+            await vm.seal_drive("root", disk, new_top)
+            sealed = True
+            self.store.update_sandbox(rec.sandbox_id, disk_path=new_top, snapshot_id=snapshot_id)
+            rec.disk_path, rec.snapshot_id = new_top, snapshot_id
+            old_top.unlink(missing_ok=True)
+            phases.mark("seal")
+            if files.memory_file is not None:
+                memory = directory / MEMORY_FILE
+                await clone_file(files.memory_file, memory, mode=0o400)
+                files = replace(files, memory_file=memory)
+                phases.mark("memory")
+        except Exception as exc:
+            with contextlib.suppress(VMMError):
+                await vm.resume()
+            self.store.update_sandbox(rec.sandbox_id, state="running")
+            if not sealed:
+                self.store.delete_snapshot(snapshot_id)
+                shutil.rmtree(directory, ignore_errors=True)
+            raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
+        try:
+            await vm.resume()
+        finally:
+            self.store.update_sandbox(rec.sandbox_id, state="running")
+        phases.mark("resume")
+        write_manifest(
+            replace(
+                source,
+                directory=directory,
+                files=files,
+                disk=disk,
+                disk_format="qcow2",
+                disk_chain_depth=base_depth + 1,
+            )
+        )
+        self.store.update_snapshot(snapshot_id, state="ready", name=name)
+        snap_rec.state, snap_rec.name = "ready", name
+        log.info("sandbox %s: %s %s taken in %s", rec.sandbox_id, kind, snapshot_id, phases)
+        return snap_rec
+
+    def _base_depth(self, rec: SandboxRecord, source: MachineSnapshot) -> int:
+        """Depth of the image chain below the sandbox's current top."""
+        if rec.snapshot_id is not None:
+            base = self.store.get_snapshot(rec.snapshot_id)
+            if base is not None:
+                with contextlib.suppress(SnapshotError):
+                    return MachineSnapshot.load(base.snapshot_dir).disk_chain_depth
+        return source.disk_chain_depth
+
+    def get_snapshot(self, key: str) -> SnapshotView:
+        rec = self.store.get_snapshot(key)
+        if rec is None or rec.kind != "snapshot" or rec.state != "ready":
+            raise SnapshotNotFound(key)
+        return SnapshotView(rec)
+
+    def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotView]:
+        return [
+            SnapshotView(r)
+            for r in self.store.list_snapshots()
+            if r.kind == "snapshot"
+            and r.state == "ready"
+            and (sandbox_id is None or r.sandbox_id == sandbox_id)
+        ]
+
+    def delete_snapshot(self, key: str) -> None:
+        """Forget a snapshot; its files go once no sandbox or snapshot depends on them."""
+        rec = self.store.get_snapshot(key)
+        if rec is None or rec.kind != "snapshot" or rec.state != "ready":
+            raise SnapshotNotFound(key)
+        self.store.update_snapshot(rec.snapshot_id, state="deleted", name=None)
+        self.collect_snapshots()
+
+    def collect_snapshots(self) -> list[str]:
+        """Remove hidden snapshots (deleted ones, fork images) whose files nothing uses:
+        no sandbox's disk chain or source, no live snapshot's chain."""
+        records = self.store.list_snapshots()
+        used: set[Path] = set()
+        for sandbox in self.store.list_sandboxes():
+            if sandbox.source_dir is not None:
+                used.add(sandbox.source_dir)
+            if sandbox.disk_path is not None:
+                used.update(p.parent for p in backing_chain(sandbox.disk_path))
+        for snap in records:
+            if snap.state == "ready":
+                used.update(p.parent for p in backing_chain(snap.snapshot_dir / "disk.qcow2"))
+        removed = []
+        for snap in records:
+            if snap.state != "ready" and snap.snapshot_dir not in used:
+                shutil.rmtree(snap.snapshot_dir, ignore_errors=True)
+                self.store.delete_snapshot(snap.snapshot_id)
+                removed.append(snap.snapshot_id)
+        if removed:
+            log.info("removed unused snapshots %s", ", ".join(removed))
+        return removed
+
+    async def fork(
+        self, sandbox_id: str, count: int = 1, timeout: int | None = None
+    ) -> list[SandboxView | Exception]:
+        """Start ``count`` children of a running sandbox, all at once, on this node. They
+        share the parent's RAM image (private mappings) and disk (overlays), inherit its
+        metadata, environment and security, and get their own id, token, network slot,
+        clock and entropy. The parent keeps running. One result per child: its view or
+        why it failed."""
+        if not 1 <= count <= MAX_FORK_CHILDREN:
+            raise InvalidRequest(f"count must be between 1 and {MAX_FORK_CHILDREN}")
+        timeout = self.config.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
+
+        async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
+            rec = self._existing(sandbox_id)
+            return rec, await self._capture(rec, "fork", None, {})
+
+        parent, image = await self._exclusive(sandbox_id, "fork", capture, join=False)
+        try:
+            snapshot = MachineSnapshot.load(image.snapshot_dir)
+        except SnapshotError as exc:
+            raise OperationFailed(f"fork of {sandbox_id}: {exc}") from exc
+        source = _Source(parent.template_id, parent.template_build_id, snapshot, image.snapshot_id)
+        identity = _Identity(
+            metadata=parent.metadata,
+            env_vars=parent.env_vars,
+            secure=parent.envd_token is not None,
+            allow_internet=parent.allow_internet,
+            auto_pause=parent.auto_pause,
+            auto_resume=parent.auto_resume,
+            parent_id=sandbox_id,
+        )
+        try:
+            results = await asyncio.gather(
+                *(
+                    self._start(source, identity, timeout, private_memory=True)
+                    for _ in range(count)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            # The image now lives only as long as the children (and the parent's disk)
+            # that use it.
+            self.store.update_snapshot(image.snapshot_id, state="deleted")
+            self.collect_snapshots()
+        out: list[SandboxView | Exception] = []
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            out.append(result)
+        return out
 
     # -- changes -------------------------------------------------------------------------
     async def set_timeout(
@@ -586,32 +1081,41 @@ class Orchestrator:
         """End the sandbox's life ``timeout`` seconds from now; with ``only_extend`` only
         if that is later than its current end (connect and refresh never shorten it)."""
         self._check_timeout(timeout)
-        async with self._lock(sandbox_id):
-            view = self.get(sandbox_id)
-            end_at = utcnow() + timedelta(seconds=timeout)
-            if only_extend:
-                end_at = max(view.record.end_at, end_at)
-            self.store.update_sandbox(sandbox_id, end_at=end_at)
-            view.record.end_at = end_at
-            return view
+        view = self.get(sandbox_id)
+        end_at = utcnow() + timedelta(seconds=timeout)
+        if only_extend:
+            end_at = max(view.record.end_at, end_at)
+        self.store.update_sandbox(sandbox_id, end_at=end_at)
+        view.record.end_at = end_at
+        return view
 
     async def kill(self, sandbox_id: str) -> None:
-        async with self._lock(sandbox_id):
-            rec = self._existing(sandbox_id)
-            phases = _PhaseTimer()
-            self.store.update_sandbox(sandbox_id, state="killing")
-            vm = self._vms.pop(sandbox_id, None)
-            if vm is not None:
-                await vm.kill()
-            else:
-                await self._kill_leftover_vm(rec.workdir / VM_DIR)
-            phases.mark("vm")
-            await self.network.destroy(rec.slot)
-            phases.mark("network")
-            shutil.rmtree(rec.workdir, ignore_errors=True)
-            self.store.delete_sandbox(sandbox_id)
-            phases.mark("files")
+        """Remove a sandbox, after any operation in progress on it; joins a kill already
+        in progress."""
+        await self._exclusive(sandbox_id, "kill", lambda: self._kill_locked(sandbox_id), join=True)
         self._locks.pop(sandbox_id, None)
+
+    async def _kill_locked(self, sandbox_id: str) -> None:
+        rec = self._existing(sandbox_id)
+        phases = _PhaseTimer()
+        self.store.update_sandbox(sandbox_id, state="killing")
+        vm = self._vms.pop(sandbox_id, None)
+        if vm is not None:
+            await vm.kill()
+        else:
+            await self._kill_leftover_vm(rec.workdir / VM_DIR)
+        phases.mark("vm")
+        try:
+            await self.network.destroy(rec.slot)
+        except Exception as exc:
+            # The VM is gone; what is left of the namespace is reclaimed at the next
+            # start. The sandbox itself must not linger, half-killed.
+            log.warning("sandbox %s: network teardown failed: %s", sandbox_id, exc)
+        phases.mark("network")
+        shutil.rmtree(rec.workdir, ignore_errors=True)
+        self.store.delete_sandbox(sandbox_id)
+        phases.mark("files")
+        self.collect_snapshots()
         log.info("sandbox %s killed in %s", sandbox_id, phases)
 
     # -- expiry --------------------------------------------------------------------------
@@ -628,7 +1132,7 @@ class Orchestrator:
                     continue
                 except (SandboxNotFound, Conflict):
                     continue
-                except OperationFailed as exc:
+                except (OperationFailed, GuestUnavailable) as exc:
                     # Killing would lose what the user asked to keep: it stays running
                     # and the pause is tried again a minute later.
                     log.error(
@@ -644,6 +1148,17 @@ class Orchestrator:
             with contextlib.suppress(SandboxNotFound):
                 await self.kill(rec.sandbox_id)
         return [r.sandbox_id for r in expired]
+
+    async def _flush_forever(self, interval: float = RAM_FLUSH_INTERVAL_S) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for sandbox_id, vm in list(self._vms.items()):
+                if not vm.spec.memory_shared:
+                    continue
+                try:
+                    await asyncio.to_thread(flush_file, vm.spec.memory_file)
+                except OSError as exc:
+                    log.debug("flushing RAM of %s failed: %s", sandbox_id, exc)
 
     async def _reap_forever(self, interval: float = 0.5) -> None:
         while True:

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -48,7 +48,31 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     auto_pause INTEGER NOT NULL DEFAULT 0,
     allow_internet INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS snapshots (
+    snapshot_id TEXT PRIMARY KEY,
+    name TEXT UNIQUE,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    template_id TEXT NOT NULL,
+    parent_id TEXT,
+    snapshot_dir TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    created_at TEXT NOT NULL
+);
 """
+
+# Columns added after schema version 1: (name, declaration). Added to an older database on
+# open, so a data directory survives the upgrade.
+_SANDBOX_COLUMNS_V2 = (
+    ("memory_mode", "TEXT NOT NULL DEFAULT 'private'"),
+    ("disk_path", "TEXT"),
+    ("source_dir", "TEXT"),
+    ("parent_id", "TEXT"),
+    ("snapshot_id", "TEXT"),
+    ("auto_resume", "INTEGER NOT NULL DEFAULT 0"),
+    ("pause_mode", "TEXT"),
+)
 
 
 def utcnow() -> datetime:
@@ -66,6 +90,24 @@ class TemplateRecord:
     memory_mib: int
     disk_size_mib: int
     envd_version: str
+    created_at: datetime
+
+
+@dataclass
+class SnapshotRecord:
+    """A persistent snapshot (``kind='snapshot'``) or the frozen parent image of a fork
+    (``kind='fork'``, never listed). ``state`` is ``ready``, or ``deleted`` while sandboxes
+    started from it still use its files."""
+
+    snapshot_id: str
+    name: str | None
+    kind: str
+    state: str
+    sandbox_id: str
+    template_id: str
+    parent_id: str | None
+    snapshot_dir: Path
+    metadata: dict[str, str]
     created_at: datetime
 
 
@@ -88,6 +130,16 @@ class SandboxRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
     allow_internet: bool = False
+    # "shared": RAM is the file memory.raw in workdir (saved by device state alone);
+    # "private": a copy-on-write mapping of source_dir's RAM image.
+    memory_mode: str = "private"
+    disk_path: Path | None = None
+    # The machine snapshot (template, snapshot or fork image) this sandbox started from.
+    source_dir: Path | None = None
+    parent_id: str | None = None
+    snapshot_id: str | None = None
+    auto_resume: bool = False
+    pause_mode: str | None = None
 
 
 class Store:
@@ -104,6 +156,10 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
+        have = {r["name"] for r in db.execute("PRAGMA table_info(sandboxes)")}
+        for name, decl in _SANDBOX_COLUMNS_V2:
+            if name not in have:
+                db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
         db.execute(
             "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
             (str(SCHEMA_VERSION),),
@@ -150,28 +206,10 @@ class Store:
 
     # -- sandboxes ----------------------------------------------------------------------
     def insert_sandbox(self, rec: SandboxRecord) -> None:
-        self.db.execute(
-            "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                rec.sandbox_id,
-                rec.template_id,
-                rec.template_build_id,
-                rec.state,
-                rec.slot,
-                str(rec.workdir),
-                rec.started_at.isoformat(),
-                rec.end_at.isoformat(),
-                rec.vcpus,
-                rec.memory_mib,
-                rec.disk_size_mib,
-                rec.envd_version,
-                rec.envd_token,
-                json.dumps(rec.metadata),
-                json.dumps(rec.env_vars),
-                int(rec.auto_pause),
-                int(rec.allow_internet),
-            ),
-        )
+        row = _sandbox_row(rec)
+        names = ", ".join(row)
+        marks = ", ".join("?" for _ in row)
+        self.db.execute(f"INSERT INTO sandboxes ({names}) VALUES ({marks})", list(row.values()))
 
     def update_sandbox(self, sandbox_id: str, **changes: Any) -> None:
         if not changes:
@@ -209,6 +247,46 @@ class Store:
     def used_slots(self) -> set[int]:
         return {int(r[0]) for r in self.db.execute("SELECT slot FROM sandboxes")}
 
+    # -- snapshots ----------------------------------------------------------------------
+    def insert_snapshot(self, rec: SnapshotRecord) -> None:
+        self.db.execute(
+            "INSERT INTO snapshots (snapshot_id, name, kind, state, sandbox_id, template_id,"
+            " parent_id, snapshot_dir, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                rec.snapshot_id,
+                rec.name,
+                rec.kind,
+                rec.state,
+                rec.sandbox_id,
+                rec.template_id,
+                rec.parent_id,
+                str(rec.snapshot_dir),
+                json.dumps(rec.metadata),
+                rec.created_at.isoformat(),
+            ),
+        )
+
+    def get_snapshot(self, key: str) -> SnapshotRecord | None:
+        """A snapshot by id or by name."""
+        row = self.db.execute(
+            "SELECT * FROM snapshots WHERE snapshot_id = ? OR name = ?", (key, key)
+        ).fetchone()
+        return _snapshot(row) if row else None
+
+    def list_snapshots(self) -> list[SnapshotRecord]:
+        rows = self.db.execute("SELECT * FROM snapshots ORDER BY created_at, snapshot_id")
+        return [_snapshot(r) for r in rows]
+
+    def update_snapshot(self, snapshot_id: str, **changes: Any) -> None:
+        columns = ", ".join(f"{k} = ?" for k in changes)
+        self.db.execute(
+            f"UPDATE snapshots SET {columns} WHERE snapshot_id = ?",
+            [*changes.values(), snapshot_id],
+        )
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", (snapshot_id,))
+
 
 def _template(row: sqlite3.Row) -> TemplateRecord:
     return TemplateRecord(
@@ -223,6 +301,50 @@ def _template(row: sqlite3.Row) -> TemplateRecord:
         envd_version=row["envd_version"],
         created_at=datetime.fromisoformat(row["created_at"]),
     )
+
+
+def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
+    return SnapshotRecord(
+        snapshot_id=row["snapshot_id"],
+        name=row["name"],
+        kind=row["kind"],
+        state=row["state"],
+        sandbox_id=row["sandbox_id"],
+        template_id=row["template_id"],
+        parent_id=row["parent_id"],
+        snapshot_dir=Path(row["snapshot_dir"]),
+        metadata=json.loads(row["metadata"]),
+        created_at=datetime.fromisoformat(row["created_at"]),
+    )
+
+
+def _sandbox_row(rec: SandboxRecord) -> dict[str, Any]:
+    return {
+        "sandbox_id": rec.sandbox_id,
+        "template_id": rec.template_id,
+        "template_build_id": rec.template_build_id,
+        "state": rec.state,
+        "slot": rec.slot,
+        "workdir": str(rec.workdir),
+        "started_at": rec.started_at.isoformat(),
+        "end_at": rec.end_at.isoformat(),
+        "vcpus": rec.vcpus,
+        "memory_mib": rec.memory_mib,
+        "disk_size_mib": rec.disk_size_mib,
+        "envd_version": rec.envd_version,
+        "envd_token": rec.envd_token,
+        "metadata": json.dumps(rec.metadata),
+        "env_vars": json.dumps(rec.env_vars),
+        "auto_pause": int(rec.auto_pause),
+        "allow_internet": int(rec.allow_internet),
+        "memory_mode": rec.memory_mode,
+        "disk_path": str(rec.disk_path) if rec.disk_path else None,
+        "source_dir": str(rec.source_dir) if rec.source_dir else None,
+        "parent_id": rec.parent_id,
+        "snapshot_id": rec.snapshot_id,
+        "auto_resume": int(rec.auto_resume),
+        "pause_mode": rec.pause_mode,
+    }
 
 
 def _sandbox(row: sqlite3.Row) -> SandboxRecord:
@@ -244,4 +366,11 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
         env_vars=json.loads(row["env_vars"]),
         auto_pause=bool(row["auto_pause"]),
         allow_internet=bool(row["allow_internet"]),
+        memory_mode=row["memory_mode"],
+        disk_path=Path(row["disk_path"]) if row["disk_path"] else None,
+        source_dir=Path(row["source_dir"]) if row["source_dir"] else None,
+        parent_id=row["parent_id"],
+        snapshot_id=row["snapshot_id"],
+        auto_resume=bool(row["auto_resume"]),
+        pause_mode=row["pause_mode"],
     )

@@ -31,6 +31,7 @@ from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import TemplateNotFound, TemplateUnavailable
 from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, commit, discard, staging_dir
+from agentenv.storage.clone import flush_file
 from agentenv.storage.images import make_read_only, virtual_size, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
@@ -240,6 +241,10 @@ class TemplateManager:
             vm = None
             disk_size = await virtual_size(disk)
             make_read_only(disk, *([files.memory_file] if files.memory_file else []))
+            if files.memory_file is not None:
+                # Written back now, so that cloning it for each sandbox (a reflink must
+                # write back dirty pages first) is instant from the first sandbox on.
+                await asyncio.to_thread(flush_file, files.memory_file)
             snapshot = MachineSnapshot(
                 directory=staging,
                 files=files,

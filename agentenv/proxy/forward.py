@@ -28,7 +28,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.network.addresses import ENVD_PORT
-from agentenv.orchestrator.errors import SandboxNotFound
+from agentenv.orchestrator.errors import OrchestratorError, SandboxNotFound
 from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
 
 log = logging.getLogger("agentenv.proxy")
@@ -130,18 +130,21 @@ class SandboxProxy:
         self._clients.clear()
 
     # -- admission ----------------------------------------------------------------------
-    def admit(self, target: ProxyTarget, path: str, headers: Headers) -> SandboxView | Refusal:
-        """The sandbox to forward to, or why not."""
+    async def admit(
+        self, target: ProxyTarget, path: str, headers: Headers
+    ) -> SandboxView | Refusal:
+        """The sandbox to forward to, or why not. Waits while the sandbox is being
+        resumed (or settles after one), and wakes a paused sandbox that asked for it."""
         if not 0 < target.port < 65536:
             return Refusal(400, "E2b-Sandbox-Port must be a port number")
         try:
-            view = self.orchestrator.get(target.sandbox_id)
+            view = await self.orchestrator.ready_for_traffic(target.sandbox_id)
         except SandboxNotFound:
             # E2B's edge answers unknown sandboxes with 502; the SDK reads that as "the
             # sandbox is not running" (is_running() -> False).
             return Refusal(502, f"The sandbox {target.sandbox_id} was not found")
-        if view.record.state != "running":
-            return Refusal(502, f"The sandbox {target.sandbox_id} is not running")
+        except OrchestratorError as exc:
+            return Refusal(502, f"The sandbox {target.sandbox_id} is not running: {exc}")
         if target.port != ENVD_PORT:
             return view
         clean_path = path.rstrip("/")
@@ -158,7 +161,7 @@ class SandboxProxy:
 
     # -- HTTP ---------------------------------------------------------------------------
     async def forward(self, request: Request, target: ProxyTarget) -> Response:
-        admitted = self.admit(target, request.url.path, request.headers)
+        admitted = await self.admit(target, request.url.path, request.headers)
         if isinstance(admitted, Refusal):
             return admitted.response()
         url = httpx.URL(
@@ -202,7 +205,7 @@ class SandboxProxy:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = Headers(scope=scope)
-        admitted = self.admit(target, scope["path"], headers)
+        admitted = await self.admit(target, scope["path"], headers)
         if isinstance(admitted, Refusal):
             await _deny_websocket(send, admitted)
             return

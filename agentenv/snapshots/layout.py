@@ -41,11 +41,14 @@ class MachineSnapshot:
     disk_size_mib: int
     image_digest: str
     envd_version: str
+    # qcow2 images in the disk's chain above the guest image's raw root filesystem.
+    disk_chain_depth: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "files": json.loads(self.files.to_json()),
-            "disk": self.disk.name,
+            # Relative when the disk is in the directory (which may be renamed into place).
+            "disk": self.disk.name if self.disk.parent == self.directory else str(self.disk),
             "disk_format": self.disk_format,
             "kernel": str(self.kernel),
             "initrd": str(self.initrd) if self.initrd else None,
@@ -56,6 +59,7 @@ class MachineSnapshot:
             "disk_size_mib": self.disk_size_mib,
             "image_digest": self.image_digest,
             "envd_version": self.envd_version,
+            "disk_chain_depth": self.disk_chain_depth,
         }
 
     @classmethod
@@ -78,6 +82,7 @@ class MachineSnapshot:
                 disk_size_mib=int(data["disk_size_mib"]),
                 image_digest=data["image_digest"],
                 envd_version=data["envd_version"],
+                disk_chain_depth=int(data.get("disk_chain_depth", 1)),
             )
         except (OSError, KeyError, ValueError, TypeError) as exc:
             raise SnapshotError(f"snapshot at {directory} is unreadable: {exc}") from exc
@@ -125,6 +130,20 @@ def commit(staging: Path, final: Path, snapshot: MachineSnapshot) -> MachineSnap
         raise SnapshotError(f"{final} already exists")
     os.replace(staging, final)
     return MachineSnapshot.load(final)
+
+
+def write_manifest(snapshot: MachineSnapshot) -> MachineSnapshot:
+    """Write ``snapshot.json`` into the snapshot's own directory, atomically and durably:
+    for snapshots built in place, the manifest is the commit point (a directory without
+    one is an unfinished snapshot)."""
+    directory = snapshot.directory
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(snapshot.to_dict(), indent=2, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    return MachineSnapshot.load(directory)
 
 
 def discard(directory: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Literal
 
@@ -98,3 +99,33 @@ async def writable_disk(
     if backing_format != "raw":
         raise StorageError(f"{backing} is {backing_format}; this VMM needs a raw image")
     return await clone_raw(backing, path_stem.with_suffix(".raw")), "raw"
+
+
+_QCOW2_MAGIC = b"QFI\xfb"
+
+
+def backing_file(path: Path) -> Path | None:
+    """The backing file named in a qcow2 image's header (None for raw images and
+    overlays without one). Read directly: it is needed for every image when collecting
+    unused layers, and ``qemu-img info`` would cost a process each."""
+    with open(path, "rb") as f:
+        header = f.read(20)
+        if len(header) < 20 or header[:4] != _QCOW2_MAGIC:
+            return None
+        offset, size = struct.unpack(">QI", header[8:20])
+        if offset == 0 or size == 0:
+            return None
+        f.seek(offset)
+        name = f.read(size).decode()
+    backing = Path(name)
+    return backing if backing.is_absolute() else path.parent / backing
+
+
+def backing_chain(path: Path) -> list[Path]:
+    """``path`` and every image below it, top first. Missing images end the chain."""
+    chain: list[Path] = []
+    current: Path | None = path
+    while current is not None and current not in chain and current.exists():
+        chain.append(current)
+        current = backing_file(current)
+    return chain

@@ -160,6 +160,7 @@ class VirtualMachine(ABC):
     time; the orchestrator serialises per sandbox."""
 
     workdir: Path
+    spec: MachineSpec
 
     @property
     @abstractmethod
@@ -182,6 +183,14 @@ class VirtualMachine(ABC):
         """Pause if running and write a snapshot into directory ``dest``. The VM stays
         paused; the caller decides whether to resume, stop or kill it. On failure nothing
         half-written is left in ``dest`` and the VM is as it was before."""
+
+    async def seal_drive(self, drive_id: str, sealed: Path, new_top: Path) -> None:
+        """Freeze drive ``drive_id`` as it is now: its current image becomes read-only
+        and is also reachable as ``sealed``; writes go on into a new copy-on-write image
+        ``new_top`` over it. Constant time, whatever the disk holds. The VM should be
+        paused, so the frozen image matches a state saved at the same moment. On failure
+        the drive is as it was."""
+        raise VMMCommandError(f"{type(self).__name__} cannot seal drives")
 
     @abstractmethod
     async def stop(self, timeout: float = 5.0) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,23 @@ def _logs_tail(workdir: Path) -> str:
     return "\n".join(parts) if parts else "(no output)"
 
 
+# sun_path holds 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+SHORT_SOCKET_DIR = Path("/run/agentenv")
+
+
+def qmp_socket_path(workdir: Path) -> Path:
+    """Where a VM's QMP socket lives: in its work directory, unless that path is too long
+    for a Unix socket; then under /run with a name derived from the work directory (so
+    :meth:`QemuDriver.attach` finds it again)."""
+    path = workdir / QMP_SOCKET
+    if len(str(path).encode()) <= _MAX_SOCKET_PATH:
+        return path
+    SHORT_SOCKET_DIR.mkdir(mode=0o700, exist_ok=True)
+    digest = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:24]
+    return SHORT_SOCKET_DIR / f"qmp-{digest}.sock"
+
+
 def _check_spec(spec: MachineSpec) -> None:
     """Reject specs QEMU would fail on late and obscurely, or that could inject options."""
     if spec.vcpus < 1:
@@ -125,9 +143,9 @@ def _check_spec(spec: MachineSpec) -> None:
 def _prepare_workdir(spec: MachineSpec, workdir: Path) -> None:
     _check_spec(spec)
     workdir.mkdir(parents=True, exist_ok=True)
-    for name in (QMP_SOCKET, PID_FILE, VM_RECORD):
+    for path in (qmp_socket_path(workdir), workdir / PID_FILE, workdir / VM_RECORD):
         with contextlib.suppress(FileNotFoundError):
-            (workdir / name).unlink()
+            path.unlink()
 
 
 def _spec_to_dict(spec: MachineSpec) -> dict[str, Any]:
@@ -299,6 +317,57 @@ class QemuVM(VirtualMachine):
             },
         )
 
+    async def seal_drive(self, drive_id: str, sealed: Path, new_top: Path) -> None:
+        """A hard link names the current top image ``sealed``; ``new_top`` is created with
+        that name as its backing file and put on top of the running drive
+        (``blockdev-add`` + ``blockdev-snapshot``, which leave the header as written). So
+        the frozen image lives on under ``sealed`` when the sandbox's directory goes, and
+        the new top never refers to a name that could disappear."""
+        drive = next((d for d in self.spec.drives if d.drive_id == drive_id), None)
+        if drive is None or drive.fmt != "qcow2" or drive.read_only:
+            raise VMMCommandError(f"drive {drive_id!r} is not a writable qcow2 drive")
+        blocks = await self.execute("query-block")
+        info = next((b for b in blocks if b.get("device") == drive_id), None)
+        if info is None or "inserted" not in info:
+            raise VMMCommandError(f"QEMU has no drive {drive_id!r}")
+        current_node = info["inserted"]["node-name"]
+        size = int(info["inserted"]["image"]["virtual-size"])
+        new_node = f"{drive_id}-{secrets.token_hex(4)}"
+        added = False
+        try:
+            os.link(drive.path, sealed)
+            await _run_tool(
+                "qemu-img", "create", "-q", "-f", "qcow2", "-u",
+                "-b", str(sealed), "-F", "qcow2", str(new_top), str(size),
+            )  # fmt: skip
+            await self.execute(
+                "blockdev-add",
+                {
+                    "driver": "qcow2",
+                    "node-name": new_node,
+                    "file": {"driver": "file", "filename": str(new_top)},
+                    "backing": None,
+                },
+            )
+            added = True
+            await self.execute("blockdev-snapshot", {"node": current_node, "overlay": new_node})
+        except BaseException as exc:
+            if added:
+                with contextlib.suppress(VMMError):
+                    await self.execute("blockdev-del", {"node-name": new_node})
+            for path in (new_top, sealed):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            if isinstance(exc, VMMError) or not isinstance(exc, Exception):
+                raise
+            raise VMMCommandError(f"sealing drive {drive_id} failed: {exc}") from exc
+        drives = tuple(
+            DriveSpec(d.drive_id, new_top, d.read_only, d.fmt) if d.drive_id == drive_id else d
+            for d in self.spec.drives
+        )
+        self.spec = replace(self.spec, drives=drives)
+        _update_record_spec(self.workdir, self.spec)
+
     async def stop(self, timeout: float = 5.0) -> None:
         if self._process.alive():
             with contextlib.suppress(VMMError):
@@ -310,6 +379,10 @@ class QemuVM(VirtualMachine):
     async def kill(self) -> None:
         await self._process.kill()
         await self._disconnect()
+        socket_path = qmp_socket_path(self.workdir)
+        if socket_path.parent == SHORT_SOCKET_DIR:
+            # The work directory goes with the sandbox; a socket outside it must too.
+            socket_path.unlink(missing_ok=True)
 
     async def stats(self) -> VMStats:
         pid = self.pid
@@ -334,6 +407,29 @@ class QemuVM(VirtualMachine):
         # disconnect() re-raises whatever ended the session (EOF after quit or kill).
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._qmp.disconnect(), 2.0)
+
+
+async def _run_tool(*argv: str) -> None:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+    except OSError as exc:
+        raise VMMCommandError(f"cannot run {argv[0]}: {exc}") from exc
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise VMMCommandError(f"{argv[0]} failed: {err.decode(errors='replace').strip()}")
+
+
+def _update_record_spec(workdir: Path, spec: MachineSpec) -> None:
+    """Record a changed spec (a drive's new top image) for :meth:`QemuDriver.attach` and
+    later restores; the process and its argv are unchanged."""
+    path = workdir / VM_RECORD
+    record = json.loads(path.read_text())
+    record["spec"] = _spec_to_dict(spec)
+    tmp = workdir / f".{VM_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, path)
 
 
 def _state_paths(dest: Path) -> tuple[Path, Path]:
@@ -479,7 +575,7 @@ class QemuDriver(VMMDriver):
             "-device", "virtio-balloon-device",
             "-chardev", f"file,id=console,path={_opt_path(workdir / CONSOLE_LOG)}",
             "-serial", "chardev:console",
-            "-qmp", f"unix:{_opt_path(workdir / QMP_SOCKET)},server=on,wait=off",
+            "-qmp", f"unix:{_opt_path(qmp_socket_path(workdir))},server=on,wait=off",
             "-pidfile", str(workdir / PID_FILE),
         ]  # fmt: skip
         if incoming:
@@ -572,7 +668,7 @@ class QemuDriver(VMMDriver):
         except ProcessLookupError as exc:
             raise VMMGone(f"process {pid} from {workdir} is gone") from exc
         try:
-            qmp = await self._connect_qmp(process, workdir / QMP_SOCKET)
+            qmp = await self._connect_qmp(process, qmp_socket_path(workdir))
         except VMMStartError as exc:
             gone = not process.alive()
             process.detach()
@@ -618,7 +714,7 @@ class QemuDriver(VMMDriver):
             raise VMMStartError(f"cannot start {qemu_argv[0]}: {exc}") from exc
         try:
             self._write_record(workdir, process.pid, qemu_argv, spec)
-            qmp = await self._connect_qmp(process, workdir / QMP_SOCKET)
+            qmp = await self._connect_qmp(process, qmp_socket_path(workdir))
         except BaseException as exc:
             await self._abandon(process, None)
             if not isinstance(exc, Exception):
@@ -632,7 +728,7 @@ class QemuDriver(VMMDriver):
             "driver": QemuDriver.name,
             "pid": pid,
             "argv": argv,
-            "qmp_socket": str(workdir / QMP_SOCKET),
+            "qmp_socket": str(qmp_socket_path(workdir)),
             "spec": _spec_to_dict(spec),
         }
         tmp = workdir / f".{VM_RECORD}.tmp"

@@ -1,0 +1,289 @@
+"""Persistent snapshots, fork, and the state machine that serialises operations on a
+sandbox, through the HTTP API with real VMs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from tests.e2b.support import sdk_client
+from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
+
+pytestmark = pytest.mark.vm
+
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /dev/shm/counter; sleep 0.2; done'"
+    " >/dev/null 2>&1 & echo $!"
+)
+
+
+def _create(c: httpx.Client, template: str = "base", **extra: object) -> str:
+    created = c.post("/sandboxes", json={"templateID": template, "timeout": 300, **extra})
+    assert created.status_code == 201, created.text
+    return str(created.json()["sandboxID"])
+
+
+def _out(server: ServerProcess, sandbox_id: str, command: str) -> str:
+    result = run_command(server.url, sandbox_id, command)
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return result.stdout
+
+
+def test_snapshot_starts_sandboxes_and_parent_keeps_running(server: ServerProcess) -> None:
+    with server.client() as c:
+        parent = _create(c, metadata={"role": "parent"})
+        started: list[str] = [parent]
+        try:
+            _out(server, parent, "echo on-disk > /home/user/state; echo in-memory > /dev/shm/m")
+            pid = int(_out(server, parent, COUNTER))
+            taken = c.post(f"/sandboxes/{parent}/snapshots", json={"name": "snap-test"})
+            assert taken.status_code == 201, taken.text
+            snapshot_id = taken.json()["snapshotID"]
+            assert taken.json()["names"] == ["snap-test"]
+
+            # The parent runs on, and its later writes are not in the snapshot.
+            assert c.get(f"/sandboxes/{parent}").json()["state"] == "running"
+            _out(server, parent, "echo changed > /home/user/state")
+            assert _out(server, parent, f"kill -0 {pid} && echo alive") == "alive\n"
+
+            listed = c.get("/snapshots").json()
+            assert snapshot_id in [s["snapshotID"] for s in listed]
+            assert c.get(f"/snapshots/{snapshot_id}").json()["sandboxID"] == parent
+            assert c.get("/snapshots", params={"sandboxID": "nope"}).json() == []
+            again = c.post(f"/sandboxes/{parent}/snapshots", json={"name": "snap-test"})
+            assert again.status_code == 409
+
+            # By id or by name, wherever a template is accepted: three sandboxes.
+            children = [_create(c, key) for key in (snapshot_id, "snap-test", snapshot_id)]
+            started += children
+            for child in children:
+                assert _out(server, child, "cat /home/user/state /dev/shm/m") == (
+                    "on-disk\nin-memory\n"
+                )
+                # The counting process was captured running, and runs on in each copy.
+                first = int(_out(server, child, "cat /dev/shm/counter"))
+                time.sleep(0.6)
+                assert int(_out(server, child, f"kill -0 {pid}; cat /dev/shm/counter")) > first
+            _out(server, children[0], "echo mine > /home/user/state")
+            assert _out(server, children[1], "cat /home/user/state") == "on-disk\n"
+            assert _out(server, parent, "cat /home/user/state") == "changed\n"
+
+            # Deleting hides it at once; sandboxes started from it keep working.
+            assert c.delete(f"/snapshots/{snapshot_id}").status_code == 204
+            assert c.get(f"/snapshots/{snapshot_id}").status_code == 404
+            assert c.delete(f"/snapshots/{snapshot_id}").status_code == 404
+            refused = c.post("/sandboxes", json={"templateID": snapshot_id})
+            assert refused.status_code == 400
+            assert _out(server, children[2], "cat /home/user/state") == "on-disk\n"
+        finally:
+            for sandbox_id in started:
+                c.delete(f"/sandboxes/{sandbox_id}")
+        # Once nothing uses it, its files go too.
+        assert not (server.home / "snapshots" / snapshot_id).exists()
+
+
+def test_snapshot_after_writing_1gib(server: ServerProcess) -> None:
+    with server.client() as c:
+        parent = _create(c)
+        child = None
+        try:
+            result = run_command(
+                server.url,
+                parent,
+                "dd if=/dev/urandom of=/home/user/seed bs=1M count=4 status=none && "
+                "for i in $(seq 256); do cat /home/user/seed; done > /home/user/big && "
+                "sync && sha256sum /home/user/big | cut -c1-64",
+                timeout=600,
+            )
+            assert result.exit_code == 0, result.stderr
+            digest = result.stdout.strip()
+            taken = c.post(f"/sandboxes/{parent}/snapshots", json={})
+            assert taken.status_code == 201, taken.text
+            child = _create(c, taken.json()["snapshotID"])
+            size = _out(server, child, "stat -c %s /home/user/big").strip()
+            assert size == str(1024 * 1024 * 1024)
+            check = run_command(
+                server.url, child, "sha256sum /home/user/big | cut -c1-64", timeout=600
+            )
+            assert check.stdout.strip() == digest
+            assert c.delete(f"/snapshots/{taken.json()['snapshotID']}").status_code == 204
+        finally:
+            for sandbox_id in (parent, child):
+                if sandbox_id:
+                    c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_fork_16_children_share_state_not_writes(server: ServerProcess) -> None:
+    with server.client() as c:
+        parent = _create(c, metadata={"run": "fork"}, envVars={"FROM_PARENT": "yes"})
+        children: list[str] = []
+        snapshot_dirs = set((server.home / "snapshots").iterdir())
+        try:
+            _out(server, parent, "echo disk > /home/user/d; echo mem > /dev/shm/m")
+            pid = int(_out(server, parent, COUNTER))
+            forked = c.post(f"/sandboxes/{parent}/fork", json={"count": 16, "timeout": 300})
+            assert forked.status_code == 201, forked.text
+            items = forked.json()
+            assert len(items) == 16
+            errors = [item["error"] for item in items if "error" in item]
+            assert not errors, errors
+            children = [item["sandbox"]["sandboxID"] for item in items]
+            assert len(set(children) | {parent}) == 17
+            assert c.get(f"/sandboxes/{parent}").json()["state"] == "running"
+
+            def check(child: str) -> str:
+                out = _out(
+                    server,
+                    child,
+                    f"cat /home/user/d /dev/shm/m; kill -0 {pid} && echo alive; "
+                    'echo "$FROM_PARENT"; echo child-$RANDOM > /home/user/d; cat /home/user/d',
+                )
+                return out
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                outputs = dict(zip(children, pool.map(check, children), strict=True))
+            for out in outputs.values():
+                lines = out.split("\n")
+                assert lines[:4] == ["disk", "mem", "alive", "yes"], out
+            # Each child's write stays its own: no sibling and not the parent sees it.
+            written = {child: out.split("\n")[4] for child, out in outputs.items()}
+            assert len(set(written.values())) > 1
+            for child in children[:4]:
+                assert _out(server, child, "cat /home/user/d").strip() == written[child]
+            assert _out(server, parent, "cat /home/user/d") == "disk\n"
+
+            # Each child has its own identity; metadata and lineage are recorded.
+            detail = c.get(f"/sandboxes/{children[0]}").json()
+            assert detail["metadata"] == {"run": "fork"}
+            assert detail["lineage"]["parentID"] == parent
+            assert sorted(c.get(f"/sandboxes/{parent}").json()["lineage"]["children"]) == sorted(
+                children
+            )
+            assert len(vmm_pids(f"/sandboxes/{children[0]}/")) == 1
+        finally:
+            for sandbox_id in [parent, *children]:
+                c.delete(f"/sandboxes/{sandbox_id}")
+        # The fork's frozen image goes with the last sandbox that used it.
+        assert set((server.home / "snapshots").iterdir()) == snapshot_dirs
+
+
+def test_fork_rejects_bad_requests(server: ServerProcess) -> None:
+    with server.client() as c:
+        assert c.post("/sandboxes/nope/fork", json={"count": 1}).status_code == 404
+        sandbox_id = _create(c)
+        try:
+            for bad in ({"count": 0}, {"count": 21}, {"count": "x"}, {"timeout": -1}):
+                answer = c.post(f"/sandboxes/{sandbox_id}/fork", json=bad)
+                assert answer.status_code == 400, (bad, answer.text)
+            assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            refused = c.post(f"/sandboxes/{sandbox_id}/fork", json={"count": 1})
+            assert refused.status_code == 409
+            assert c.post(f"/sandboxes/{sandbox_id}/snapshots", json={}).status_code == 409
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_identical_requests_join_and_disconnects_do_not_abort(server: ServerProcess) -> None:
+    with server.client() as c:
+        sandbox_id = _create(c)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                pauses = list(
+                    pool.map(
+                        lambda _: c.post(f"/sandboxes/{sandbox_id}/pause").status_code, range(3)
+                    )
+                )
+            # One pause ran; the others joined it rather than answering "already paused".
+            assert pauses == [204, 204, 204]
+            # A client that gives up at once does not abort the resume it started.
+            with pytest.raises(httpx.TimeoutException):
+                c.post(f"/sandboxes/{sandbox_id}/connect", json={}, timeout=0.001)
+            deadline = time.monotonic() + 30
+            while c.get(f"/sandboxes/{sandbox_id}").json()["state"] != "running":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert _out(server, sandbox_id, "echo ok") == "ok\n"
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_concurrent_pause_kill_connect_end_consistent(server: ServerProcess) -> None:
+    with server.client() as c:
+        for _ in range(3):
+            sandbox_id = _create(c)
+            namespaces = netns_names()
+            calls = [
+                ("post", f"/sandboxes/{sandbox_id}/pause"),
+                ("post", f"/sandboxes/{sandbox_id}/connect"),
+                ("delete", f"/sandboxes/{sandbox_id}"),
+                ("post", f"/sandboxes/{sandbox_id}/pause"),
+            ]
+            with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+                statuses = list(
+                    pool.map(lambda call: c.request(call[0], call[1], json={}).status_code, calls)
+                )
+            assert all(s in (200, 201, 204, 404, 409) for s in statuses), statuses
+            # The kill ran after whatever was in flight: gone, with nothing left behind.
+            assert statuses[2] == 204
+            assert c.get(f"/sandboxes/{sandbox_id}").status_code == 404
+            assert vmm_pids(f"/sandboxes/{sandbox_id}/") == []
+            assert not (server.home / "sandboxes" / sandbox_id).exists()
+            assert netns_names() <= namespaces
+
+
+def test_auto_resume_on_traffic(server: ServerProcess) -> None:
+    with server.client() as c:
+        sandbox_id = _create(c, autoResume={"enabled": True}, autoPause=True)
+        try:
+            assert c.get(f"/sandboxes/{sandbox_id}").json()["lifecycle"] == {
+                "autoResume": True,
+                "onTimeout": "pause",
+            }
+            _out(server, sandbox_id, "echo before > /home/user/f")
+            assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            # Traffic through the proxy wakes it.
+            assert _out(server, sandbox_id, "cat /home/user/f") == "before\n"
+            assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+        other = _create(c)
+        try:
+            assert c.post(f"/sandboxes/{other}/pause").status_code == 204
+            refused = httpx.get(
+                f"{server.url}/health", headers={"E2b-Sandbox-Id": other}, trust_env=False
+            )
+            assert refused.status_code == 502
+        finally:
+            c.delete(f"/sandboxes/{other}")
+
+
+def test_sdk_snapshots_and_fork(server: ServerProcess) -> None:
+    e2b = sdk_client(server)
+    sbx = e2b.Sandbox.create(timeout=300)
+    made: list[object] = [sbx]
+    try:
+        sbx.files.write("/home/user/sdk.txt", "from the parent")
+        info = sbx.create_snapshot(name="sdk-snap")
+        assert info.names == ["sdk-snap"]
+        listed = list(e2b.Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items())
+        assert info.snapshot_id in [s.snapshot_id for s in listed]
+        started = e2b.Sandbox.create(template="sdk-snap", timeout=120)
+        made.append(started)
+        assert started.files.read("/home/user/sdk.txt") == "from the parent"
+        assert e2b.Sandbox.delete_snapshot(info.snapshot_id) is True
+        assert e2b.Sandbox.delete_snapshot(info.snapshot_id) is False
+
+        forks = sbx.fork(count=2, timeout=120)
+        assert len(forks) == 2
+        for child in forks:
+            assert not isinstance(child, Exception), child
+            made.append(child)
+            assert child.sandbox_id != sbx.sandbox_id
+            assert child.files.read("/home/user/sdk.txt") == "from the parent"
+            assert child.commands.run("echo forked").stdout == "forked\n"
+    finally:
+        for s in made:
+            s.kill()  # type: ignore[attr-defined]
