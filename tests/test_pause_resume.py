@@ -121,3 +121,27 @@ def test_auto_pause_at_timeout(server: ServerProcess) -> None:
         assert back.files.read("/home/user/kept.txt") == "still here"
     finally:
         sbx.kill()
+
+
+def test_filesystem_pause_keeps_disk_and_restarts_processes(server: ServerProcess) -> None:
+    """The SDK's ``pause(mode="filesystem")``: the disk is kept, RAM is discarded, and
+    resuming boots the guest from its disk."""
+    e2b = sdk_client(server)
+    sbx = e2b.Sandbox.create(timeout=300)
+    try:
+        sbx.files.write("/home/user/on-disk.txt", "kept")
+        sbx.commands.run("echo gone > /dev/shm/in-memory")
+        assert sbx.pause(mode="filesystem") is True
+        assert vmm_pids(f"/sandboxes/{sbx.sandbox_id}/") == []
+        with server.client() as c:
+            detail = c.get(f"/sandboxes/{sbx.sandbox_id}").json()
+            assert (detail["state"], detail["pauseMode"]) == ("paused", "filesystem")
+        back = e2b.Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert back.files.read("/home/user/on-disk.txt") == "kept"
+        assert back.commands.run("test -e /dev/shm/in-memory || echo fresh").stdout == "fresh\n"
+        # A full pause of the rebooted sandbox works as for any other.
+        assert back.pause() is True
+        again = e2b.Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert again.files.read("/home/user/on-disk.txt") == "kept"
+    finally:
+        sbx.kill()

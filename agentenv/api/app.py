@@ -163,7 +163,11 @@ def create_app(
             lifecycle=Lifecycle(
                 autoResume=rec.auto_resume, onTimeout="pause" if rec.auto_pause else "kill"
             ),
-            pauseMode="full" if view.state == "paused" else None,
+            pauseMode=(
+                ("filesystem" if rec.pause_mode == "filesystem" else "full")
+                if view.state == "paused"
+                else None
+            ),
             lineage=Lineage(
                 parentID=rec.parent_id,
                 sourceID=rec.template_id,
@@ -403,9 +407,8 @@ def create_app(
         "/sandboxes/{sandbox_id}/pause", status_code=204, dependencies=authed, tags=["sandboxes"]
     )
     async def pause_sandbox(sandbox_id: str, body: PauseRequest | None = None) -> Response:
-        # `memory: false` (disk-only pause) is served by a full pause: it keeps strictly
-        # more (running processes too).
-        await orchestrator.pause(sandbox_id)
+        # `memory: false` keeps the disk only; the guest boots from it on resume.
+        await orchestrator.pause(sandbox_id, memory=body is None or body.memory)
         return Response(status_code=204)
 
     @app.post(

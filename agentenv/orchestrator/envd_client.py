@@ -94,16 +94,36 @@ async def warm_up(client: httpx.AsyncClient, address: str, timeout: float = 60.0
         json={"timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z")},
         timeout=timeout,
     )
-    start = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]}, "stdin": False}
+    await run(client, address, "/bin/bash", ["-l", "-c", "true"], None, timeout=timeout)
+
+
+async def run(
+    client: httpx.AsyncClient,
+    address: str,
+    cmd: str,
+    args: list[str],
+    access_token: str | None,
+    *,
+    timeout: float = 60.0,
+) -> None:
+    """Run a command in the guest through envd's process service and wait for its end
+    (the orchestrator's own uses: warming a template, syncing filesystems)."""
+    start = {"process": {"cmd": cmd, "args": args}, "stdin": False}
     body = json.dumps(start).encode()
-    response = await client.post(
-        envd_url(address, "/process.Process/Start"),
-        content=struct.pack(">BI", 0, len(body)) + body,
-        headers={"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"},
-        timeout=timeout,
-    )
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
+    if access_token:
+        headers["X-Access-Token"] = access_token
+    try:
+        response = await client.post(
+            envd_url(address, "/process.Process/Start"),
+            content=struct.pack(">BI", 0, len(body)) + body,
+            headers=headers,
+            timeout=timeout,
+        )
+    except httpx.HTTPError as exc:
+        raise EnvdUnreachable(f"running {cmd} in the guest failed: {exc}") from exc
     if response.status_code != 200:
-        raise EnvdUnreachable(f"envd warm-up command failed: {response.status_code}")
+        raise EnvdUnreachable(f"running {cmd} in the guest failed: {response.status_code}")
 
 
 async def metrics(

@@ -72,6 +72,7 @@ from agentenv.vmm.base import (
     VirtualMachine,
     VMMDriver,
     VMMError,
+    VMRunState,
 )
 
 log = logging.getLogger("agentenv.orchestrator")
@@ -84,6 +85,8 @@ MEMORY_FILE = "memory.raw"
 # A paused sandbox's saved machine lives here, next to its disk and RAM files.
 PAUSED_DIR = "paused"
 PAUSED_MANIFEST = "snapshot.json"
+# Marks a filesystem-only pause: the disk is kept, RAM and processes are not.
+DISK_ONLY_MARKER = "disk-only"
 AUTO_PAUSE_RETRY_S = 60
 # How often running sandboxes' RAM files are written back. A snapshot or fork must write
 # back what is dirty while the guest is stopped (or just before); doing it regularly in
@@ -337,7 +340,9 @@ class Orchestrator:
         kept: set[int] = set()
         for rec in self.store.list_sandboxes():
             vm_dir = rec.workdir / VM_DIR
-            saved = (rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).exists()
+            saved = (rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).exists() or (
+                rec.workdir / PAUSED_DIR / DISK_ONLY_MARKER
+            ).exists()
             if rec.state in _VM_STATES:
                 try:
                     vm = await self.driver.attach(vm_dir)
@@ -347,6 +352,18 @@ class Orchestrator:
                         await self.network.destroy(rec.slot)
                         self.store.update_sandbox(rec.sandbox_id, state="paused")
                         log.info("sandbox %s: interrupted pause completed", rec.sandbox_id)
+                        continue
+                    disk = self._current_disk(rec)[0]
+                    if disk.exists():
+                        # Its processes are gone, its files are not: keep it, paused,
+                        # to be booted from its disk on resume, instead of losing it.
+                        await self._keep_disk_only(rec)
+                        log.warning(
+                            "sandbox %s lost its VMM (%s); kept as a filesystem-only pause "
+                            "(its disk survives, its processes restart on resume)",
+                            rec.sandbox_id,
+                            exc,
+                        )
                         continue
                     log.warning("sandbox %s lost (%s); cleaning it up", rec.sandbox_id, exc)
                 else:
@@ -715,20 +732,25 @@ class Orchestrator:
         )
 
     # -- pause and resume ------------------------------------------------------------------
-    async def pause(self, sandbox_id: str) -> SandboxView:
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxView:
         """Save the machine under the sandbox's directory and release its VMM process and
         network namespace; disk and RAM files stay. Joins a pause already in progress.
+        Without ``memory``, only the disk is kept: RAM is discarded and the guest boots
+        from its disk on resume (processes restart).
 
         On failure the VM keeps running (the driver resumes it) and so does the sandbox."""
+        kind = "pause" if memory else "pause-filesystem"
         return await self._exclusive(
-            sandbox_id, "pause", lambda: self._pause_locked(sandbox_id), join=True
+            sandbox_id, kind, lambda: self._pause_locked(sandbox_id, memory), join=True
         )
 
-    async def _pause_locked(self, sandbox_id: str) -> SandboxView:
+    async def _pause_locked(self, sandbox_id: str, memory: bool) -> SandboxView:
         rec = self._existing(sandbox_id)
         if rec.state == "paused":
             raise Conflict(f"sandbox {sandbox_id} is already paused")
         vm = self._running_vm(rec)
+        if not memory:
+            return await self._pause_disk_only(rec, vm)
         phases = _PhaseTimer()
         dest = rec.workdir / PAUSED_DIR
         shutil.rmtree(dest, ignore_errors=True)
@@ -760,6 +782,46 @@ class Orchestrator:
         log.info("sandbox %s paused in %s", sandbox_id, phases)
         return self._view(rec)
 
+    async def _pause_disk_only(self, rec: SandboxRecord, vm: VirtualMachine) -> SandboxView:
+        phases = _PhaseTimer()
+        self.store.update_sandbox(rec.sandbox_id, state="pausing")
+        address = self.network.describe(rec.slot).guest_address
+        try:
+            # Whatever the guest still holds in its page cache reaches the disk.
+            await envd_client.run(self.http, address, "/bin/sync", [], rec.envd_token)
+        except envd_client.EnvdUnreachable as exc:
+            log.warning("sandbox %s: guest sync before pause failed: %s", rec.sandbox_id, exc)
+        phases.mark("sync")
+        try:
+            # Stopping the VM flushes QEMU's own disk caches (qcow2 metadata).
+            await vm.pause()
+        except VMMError as exc:
+            self.store.update_sandbox(rec.sandbox_id, state="running")
+            raise OperationFailed(f"pausing sandbox {rec.sandbox_id} failed: {exc}") from exc
+        self._vms.pop(rec.sandbox_id, None)
+        await vm.kill()
+        await self._keep_disk_only(rec)
+        phases.mark("release")
+        rec.state, rec.pause_mode = "paused", "filesystem"
+        log.info("sandbox %s paused (filesystem only) in %s", rec.sandbox_id, phases)
+        return self._view(rec)
+
+    async def _keep_disk_only(self, rec: SandboxRecord) -> None:
+        """Turn a sandbox without a VMM into a filesystem-only pause: marker written,
+        RAM discarded, network released."""
+        dest = rec.workdir / PAUSED_DIR
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        _write_atomically(dest / DISK_ONLY_MARKER, "")
+        (rec.workdir / MEMORY_FILE).unlink(missing_ok=True)
+        try:
+            await self.network.destroy(rec.slot)
+        except Exception as exc:
+            log.warning("sandbox %s: releasing its network failed: %s", rec.sandbox_id, exc)
+        self.store.update_sandbox(
+            rec.sandbox_id, state="paused", pause_mode="filesystem", memory_mode="shared"
+        )
+
     async def resume(self, sandbox_id: str, timeout: int | None = None) -> SandboxView:
         """Restore a paused sandbox with the same id, files and processes; joins a resume
         already in progress. Returns once the VM runs; envd's re-initialisation (clock,
@@ -775,6 +837,8 @@ class Orchestrator:
         rec = self._existing(sandbox_id)
         if rec.state != "paused":
             raise Conflict(f"sandbox {sandbox_id} is not paused")
+        if rec.pause_mode == "filesystem":
+            return await self._boot_from_disk(rec, timeout)
         phases = _PhaseTimer()
         files = SnapshotFiles.from_json((rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).read_text())
         snap = self._source_snapshot(rec)
@@ -815,6 +879,54 @@ class Orchestrator:
         shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
         self._settle(rec, net.guest_address)
         log.info("sandbox %s resumed in %s", sandbox_id, phases)
+        return self._view(rec)
+
+    async def _boot_from_disk(self, rec: SandboxRecord, timeout: int) -> SandboxView:
+        """Resume a filesystem-only pause: a cold boot of the sandbox's own disk (seconds
+        under TCG), then envd's initialisation as for a new sandbox."""
+        phases = _PhaseTimer()
+        snap = self._source_snapshot(rec)
+        disk, disk_format = self._current_disk(rec)
+        memory = rec.workdir / MEMORY_FILE
+        memory.unlink(missing_ok=True)
+        shared = self.driver.shared_memory_boot
+        self.store.update_sandbox(rec.sandbox_id, state="resuming")
+        vm: VirtualMachine | None = None
+        try:
+            vm_dir = rec.workdir / VM_DIR
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            vm_dir.mkdir()
+            net = await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+            spec = self._machine_spec(snap, disk, disk_format, memory, shared, net.netns)
+            vm = await self.driver.boot(spec, vm_dir)
+            booted = vm
+            await envd_client.wait_healthy(
+                self.http,
+                net.guest_address,
+                self.config.template_boot_timeout,
+                alive=lambda: booted.state is not VMRunState.STOPPED,
+            )
+            phases.mark("boot")
+            await envd_client.init(
+                self.http, net.guest_address, env_vars=rec.env_vars, access_token=rec.envd_token
+            )
+            phases.mark("envd_init")
+        except Exception as exc:
+            if vm is not None:
+                await vm.kill()
+            with contextlib.suppress(Exception):
+                await self.network.destroy(rec.slot)
+            self.store.update_sandbox(rec.sandbox_id, state="paused")
+            raise OperationFailed(f"resuming sandbox {rec.sandbox_id} failed: {exc}") from exc
+        self._vms[rec.sandbox_id] = vm
+        end_at = utcnow() + timedelta(seconds=timeout)
+        mode = "shared" if shared else "private"
+        self.store.update_sandbox(
+            rec.sandbox_id, state="running", end_at=end_at, memory_mode=mode, pause_mode=None
+        )
+        rec.state, rec.end_at, rec.memory_mode, rec.pause_mode = "running", end_at, mode, None
+        shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
+        log.info("sandbox %s booted from its disk in %s", rec.sandbox_id, phases)
         return self._view(rec)
 
     def _settle(self, rec: SandboxRecord, guest_address: str) -> None:
