@@ -40,6 +40,7 @@ _ENV_FIELDS: dict[str, str] = {
     "AENV_NET_SUBNET": "net_subnet",
     "AENV_DOMAIN": "domain",
     "AENV_LOG_LEVEL": "log_level",
+    "AENV_NETWORK_LINGER": "network_linger",
 }
 
 
@@ -58,6 +59,9 @@ class Config:
     net_subnet: str | None = None
     domain: str | None = None
     log_level: str = "info"
+    # Seconds a paused sandbox keeps its network namespace before it is released, so a
+    # quick pause/resume cycle does not pay for tearing it down and building it again.
+    network_linger: float = 30.0
     # How long a template boot may take before we give up (TCG cold boots take seconds).
     template_boot_timeout: float = 120.0
     template_boot_attempts: int = 3

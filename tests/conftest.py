@@ -46,5 +46,7 @@ def guest_image() -> None:
 @pytest.fixture(scope="session")
 def server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     """One live server (real VMs) shared by the API tests of a session."""
-    with live_server(ServerProcess(home=test_root / "node")) as srv:
+    # A short linger, so tests see a paused sandbox's network released soon.
+    node = ServerProcess(home=test_root / "node", extra_env={"AENV_NETWORK_LINGER": "1"})
+    with live_server(node) as srv:
         yield srv

@@ -249,7 +249,8 @@ def test_list_paging(server: ServerProcess) -> None:
 
 # -- restart -------------------------------------------------------------------------------
 def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) -> None:
-    """A server restart re-adopts sandboxes whose VMM survived and cleans the rest."""
+    """A server restart re-adopts sandboxes whose VMM survived and keeps the disks of
+    the rest."""
     with live_server(ServerProcess(home=test_root / "restart")) as srv:
         with srv.client() as c:
             survivor = str(create(c, timeout=300)["sandboxID"])
@@ -263,13 +264,16 @@ def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) ->
         assert vmm_pids(f"/sandboxes/{survivor}/")
         srv.start()
         with srv.client() as c:
-            listed = {s["sandboxID"] for s in c.get("/v2/sandboxes").json()}
-            assert survivor in listed
-            assert victim not in listed
-            assert c.get(f"/sandboxes/{victim}").status_code == 404
-            assert not (srv.home / "sandboxes" / victim).exists()
+            listed = {s["sandboxID"]: s["state"] for s in c.get("/v2/sandboxes").json()}
+            assert listed[survivor] == "running"
+            # The victim lost its processes but not its disk: a filesystem-only pause.
+            assert listed[victim] == "paused"
+            assert c.get(f"/sandboxes/{victim}").json()["pauseMode"] == "filesystem"
+            assert vmm_pids(f"/sandboxes/{victim}/") == []
             assert run_command(srv.url, survivor, "cat /tmp/state").stdout == "42\n"
             assert c.delete(f"/sandboxes/{survivor}").status_code == 204
+            assert c.delete(f"/sandboxes/{victim}").status_code == 204
+            assert not (srv.home / "sandboxes" / victim).exists()
 
 
 def test_failed_create_leaves_nothing(server: ServerProcess) -> None:

@@ -45,7 +45,7 @@ from typing import Literal, TypeVar, cast
 import httpx
 
 from agentenv.config import Config
-from agentenv.network import NetworkManager, pick_free_subnet
+from agentenv.network import NetworkManager, SandboxNetwork, pick_free_subnet
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import (
@@ -257,6 +257,9 @@ class Orchestrator:
         self._inflight: dict[tuple[str, str], asyncio.Task[object]] = {}
         # envd /init after a resume, which traffic to the sandbox waits for.
         self._settling: dict[str, asyncio.Task[None]] = {}
+        # Paused sandboxes whose network namespace is kept for a while (config
+        # network_linger), with the task that releases it.
+        self._lingering: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[object]] = set()
         self._reserved_slots: set[int] = set()
         self.templates = TemplateManager(
@@ -312,6 +315,8 @@ class Orchestrator:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        for lingering in self._lingering.values():
+            lingering.cancel()
         for op in list(self._inflight.values()):
             with contextlib.suppress(Exception):
                 await op
@@ -770,13 +775,9 @@ class Orchestrator:
         self._vms.pop(sandbox_id, None)
         await vm.kill()
         phases.mark("vm")
-        # The pause is complete once saved and the VMM is gone; a failing teardown of
-        # the network namespace is retried when the slot is next used.
-        try:
-            await self.network.destroy(rec.slot)
-        except Exception as exc:
-            log.warning("sandbox %s: releasing its network failed: %s", sandbox_id, exc)
-        phases.mark("network")
+        # The pause is complete once saved and the VMM is gone; the network namespace
+        # follows a little later unless a resume takes it back first.
+        self._release_network_later(rec)
         self.store.update_sandbox(sandbox_id, state="paused", pause_mode="full")
         rec.state = "paused"
         log.info("sandbox %s paused in %s", sandbox_id, phases)
@@ -806,6 +807,40 @@ class Orchestrator:
         log.info("sandbox %s paused (filesystem only) in %s", rec.sandbox_id, phases)
         return self._view(rec)
 
+    def _release_network_later(self, rec: SandboxRecord) -> None:
+        sandbox_id = rec.sandbox_id
+
+        async def release() -> None:
+            await asyncio.sleep(self.config.network_linger)
+            async with self._lock(sandbox_id):
+                if self._lingering.get(sandbox_id) is not task:
+                    return
+                del self._lingering[sandbox_id]
+                current = self.store.get_sandbox(sandbox_id)
+                if current is None or current.state != "paused":
+                    return
+                try:
+                    await self.network.destroy(current.slot)
+                except Exception as exc:
+                    # Retried when the slot is next used, or at the next start.
+                    log.warning("sandbox %s: releasing its network failed: %s", sandbox_id, exc)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._lingering[sandbox_id] = task
+
+    async def _take_network(self, rec: SandboxRecord) -> SandboxNetwork:
+        """The sandbox's network: still there if its pause was recent, else built."""
+        lingering = self._lingering.pop(rec.sandbox_id, None)
+        if lingering is not None and not lingering.done():
+            lingering.cancel()
+            return self.network.describe(rec.slot)
+        return await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+
+    def _forget_network(self, rec: SandboxRecord) -> None:
+        lingering = self._lingering.pop(rec.sandbox_id, None)
+        if lingering is not None:
+            lingering.cancel()
+
     async def _keep_disk_only(self, rec: SandboxRecord) -> None:
         """Turn a sandbox without a VMM into a filesystem-only pause: marker written,
         RAM discarded, network released."""
@@ -814,6 +849,7 @@ class Orchestrator:
         dest.mkdir()
         _write_atomically(dest / DISK_ONLY_MARKER, "")
         (rec.workdir / MEMORY_FILE).unlink(missing_ok=True)
+        self._forget_network(rec)
         try:
             await self.network.destroy(rec.slot)
         except Exception as exc:
@@ -856,7 +892,7 @@ class Orchestrator:
             vm_dir = rec.workdir / VM_DIR
             shutil.rmtree(vm_dir, ignore_errors=True)
             vm_dir.mkdir()
-            net = await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+            net = await self._take_network(rec)
             phases.mark("network")
             spec = self._machine_spec(snap, disk, disk_format, memory, shared, net.netns)
             vm = await self.driver.restore(spec, files, vm_dir)
@@ -896,7 +932,7 @@ class Orchestrator:
             vm_dir = rec.workdir / VM_DIR
             shutil.rmtree(vm_dir, ignore_errors=True)
             vm_dir.mkdir()
-            net = await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+            net = await self._take_network(rec)
             spec = self._machine_spec(snap, disk, disk_format, memory, shared, net.netns)
             vm = await self.driver.boot(spec, vm_dir)
             booted = vm
@@ -1210,6 +1246,7 @@ class Orchestrator:
     async def _kill_locked(self, sandbox_id: str) -> None:
         rec = self._existing(sandbox_id)
         phases = _PhaseTimer()
+        self._forget_network(rec)
         self.store.update_sandbox(sandbox_id, state="killing")
         vm = self._vms.pop(sandbox_id, None)
         if vm is not None:
