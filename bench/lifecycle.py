@@ -7,6 +7,9 @@ Measures, through the API of a live server (``--runs`` times unless noted):
   pause                    POST /sandboxes/{id}/pause until 204, on one running sandbox
   resume → running         POST /sandboxes/{id}/connect until 201 (it was paused)
   resume → first command   that connect, then ``echo`` through the proxy until its output
+                           (back-to-back cycles: the server keeps a paused sandbox's network
+                           namespace for AENV_NETWORK_LINGER s; set it to 0 in the
+                           environment to measure the path that rebuilds it)
   snapshot after 0 bytes   POST /sandboxes/{id}/snapshots until 201, nothing written since
                            the previous one (each snapshot is deleted afterwards)
   snapshot after 1 GiB     the same, right after ``dd`` wrote 1 GiB of new data to the
@@ -63,8 +66,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agentenv.config import Config
 from agentenv.network import NetworkManager
-from tests.helpers import ServerProcess, live_server, run_command, vmm_pids
+from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -686,6 +690,8 @@ def leftovers(url: str, key: str, home: Path | None) -> dict[str, Any]:
     found: dict[str, Any] = {"sandboxes": sandboxes, "snapshots": snapshots}
     if home is not None:
         found["vmm_pids"] = vmm_pids(str(home))
+        prefix = f"ae{Config.load(env={}, home=home).instance_tag}-"
+        found["netns"] = sorted(n for n in netns_names() if n.startswith(prefix))
         for name in ("sandboxes", "snapshots"):
             directory = home / name
             found[f"{name}_dir_entries"] = (

@@ -62,7 +62,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store, utcnow
 from agentenv.orchestrator.templates import TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_manifest
-from agentenv.storage.clone import clone_file, flush_file, supports_reflink
+from agentenv.storage.clone import clone_file, flush_file, make_durable, supports_reflink
 from agentenv.storage.images import DiskFormat, backing_chain, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
@@ -1112,8 +1112,19 @@ class Orchestrator:
         )
         self.store.update_snapshot(snapshot_id, state="ready", name=name)
         snap_rec.state, snap_rec.name = "ready", name
+        # Safe from a server crash already (it is in the page cache); on stable storage,
+        # safe from a power loss, a moment later.
+        durable = [disk, *([files.memory_file] if files.memory_file else []), files.state_file]
+        self._keep(asyncio.get_running_loop().create_task(self._make_durable(durable)))
         log.info("sandbox %s: %s %s taken in %s", rec.sandbox_id, kind, snapshot_id, phases)
         return snap_rec
+
+    @staticmethod
+    async def _make_durable(paths: list[Path]) -> None:
+        try:
+            await asyncio.to_thread(make_durable, *paths)
+        except OSError as exc:  # deleted meanwhile, or a failing disk
+            log.warning("writing snapshot files to stable storage failed: %s", exc)
 
     def _base_depth(self, rec: SandboxRecord, source: MachineSnapshot) -> int:
         """Depth of the image chain below the sandbox's current top."""
