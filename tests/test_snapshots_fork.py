@@ -9,7 +9,9 @@ import time
 import httpx
 import pytest
 
-from tests.e2b.support import sdk_client
+from agentenv.orchestrator.orchestrator import MAX_DISK_CHAIN
+from agentenv.storage.images import backing_chain
+from tests.e2b.support import sdk_client, wait_until
 from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
@@ -287,3 +289,38 @@ def test_sdk_snapshots_and_fork(server: ServerProcess) -> None:
     finally:
         for s in made:
             s.kill()  # type: ignore[attr-defined]
+
+
+def test_snapshot_chains_are_bounded(server: ServerProcess) -> None:
+    """Each snapshot seals one more disk layer; past MAX_DISK_CHAIN layers the chain is
+    flattened in the background, with the same contents."""
+    with server.client() as c:
+        parent = _create(c)
+        started = [parent]
+        snapshots: list[str] = []
+        try:
+            for n in range(MAX_DISK_CHAIN + 1):
+                _out(server, parent, f"echo {n} > /home/user/layer-{n}")
+                taken = c.post(f"/sandboxes/{parent}/snapshots", json={})
+                assert taken.status_code == 201, taken.text
+                snapshots.append(taken.json()["snapshotID"])
+            last_disk = server.home / "snapshots" / snapshots[-1] / "disk.qcow2"
+
+            def depth() -> int:
+                return len([p for p in backing_chain(last_disk) if p.suffix == ".qcow2"])
+
+            # Nine seals in a row would make ten qcow2 images; flattening keeps it short.
+            wait_until(lambda: depth() <= 3, "the deep chain to be flattened")
+            expected = "".join(f"{n}\n" for n in range(MAX_DISK_CHAIN + 1))
+            for key in (snapshots[-1], snapshots[2]):
+                child = _create(c, key)
+                started.append(child)
+                layers = _out(server, child, "cat $(ls -v /home/user/layer-*)")
+                count = MAX_DISK_CHAIN + 1 if key == snapshots[-1] else 3
+                assert layers == "".join(f"{n}\n" for n in range(count))
+            assert _out(server, parent, "cat $(ls -v /home/user/layer-*)") == expected
+        finally:
+            for sandbox_id in started:
+                c.delete(f"/sandboxes/{sandbox_id}")
+            for snapshot_id in snapshots:
+                c.delete(f"/snapshots/{snapshot_id}")

@@ -63,7 +63,7 @@ from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store, ut
 from agentenv.orchestrator.templates import TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_manifest
 from agentenv.storage.clone import clone_file, flush_file, make_durable, supports_reflink
-from agentenv.storage.images import DiskFormat, backing_chain, writable_disk
+from agentenv.storage.images import DiskFormat, backing_chain, flatten, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
     MachineSpec,
@@ -93,6 +93,13 @@ AUTO_PAUSE_RETRY_S = 60
 # the background keeps that to what changed in the last few seconds.
 RAM_FLUSH_INTERVAL_S = 5.0
 MAX_FORK_CHILDREN = 20
+# Longest chain of qcow2 images a snapshot's disk may have before it is flattened onto
+# its template's image. Every read of a cluster a layer does not hold walks down the
+# chain (one lookup per layer, each layer with its own L2 cache in QEMU), so reads slow
+# and per-VM memory grows with depth; flattening copies what the skipped layers hold, so
+# doing it every few snapshots keeps that cost amortised. Eight keeps lookups cheap while
+# flattening at most once per seven snapshots of a sandbox.
+MAX_DISK_CHAIN = 8
 # States in which a sandbox exists for callers, and what they read as: SDKs know only
 # "running" and "paused", and a sandbox in transition is still what it was.
 PUBLIC_STATE = {
@@ -1116,8 +1123,33 @@ class Orchestrator:
         # safe from a power loss, a moment later.
         durable = [disk, *([files.memory_file] if files.memory_file else []), files.state_file]
         self._keep(asyncio.get_running_loop().create_task(self._make_durable(durable)))
+        if base_depth + 1 > MAX_DISK_CHAIN:
+            self._keep(asyncio.get_running_loop().create_task(self._flatten(directory)))
         log.info("sandbox %s: %s %s taken in %s", rec.sandbox_id, kind, snapshot_id, phases)
         return snap_rec
+
+    async def _flatten(self, directory: Path) -> None:
+        """Replace a snapshot's deep disk chain by one layer over the template's image.
+        The flattened copy is renamed over the sealed layer's name: processes that have
+        the old file open keep reading it, and every later open (restores, sandboxes
+        started from the snapshot, the sandbox's own next disk top) gets the short chain
+        with the same contents."""
+        try:
+            snapshot = MachineSnapshot.load(directory)
+            chain = backing_chain(snapshot.disk)
+            qcow2 = [p for p in chain if p.suffix == ".qcow2"]
+            if len(qcow2) <= 2:
+                return
+            onto = qcow2[-1]  # the template's own overlay on the guest image
+            flat = await flatten(snapshot.disk, onto, "qcow2")
+            await asyncio.to_thread(make_durable, flat)
+            os.replace(flat, snapshot.disk)
+            write_manifest(replace(snapshot, disk_chain_depth=2))
+            log.info("snapshot %s: disk chain of %d flattened to 2", directory.name, len(qcow2))
+            self.collect_snapshots()
+        except Exception as exc:
+            # The deep chain still works; the next snapshot tries again.
+            log.warning("flattening the disk of snapshot %s failed: %s", directory.name, exc)
 
     @staticmethod
     async def _make_durable(paths: list[Path]) -> None:
