@@ -494,7 +494,8 @@ async def _await_migration(
 ) -> None:
     """Poll ``query-migrate`` until the migration completes (or fails)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
+    started = loop.time()
+    deadline = started + limit_s
     interval = 0.001
     while True:
         info = await _execute(qmp, process, "query-migrate", None, command_limit_s)
@@ -507,7 +508,10 @@ async def _await_migration(
         if loop.time() > deadline:
             raise VMMCommandError(f"migration did not complete within {limit_s}s ({status})")
         await asyncio.sleep(interval)
-        interval = min(interval * 2, 0.05)
+        # Device-state loads take a few ms: poll finely at first, then back off for
+        # the long RAM streams.
+        if loop.time() - started > 0.03:
+            interval = min(interval * 2, 0.05)
 
 
 class QemuDriver(VMMDriver):
@@ -761,7 +765,7 @@ class QemuDriver(VMMDriver):
                     f"QMP socket {socket_path} not usable within {self.connect_timeout}s"
                     + (f": {last_error}" if last_error else "")
                 )
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.001)
 
     @staticmethod
     async def _abandon(process: VMMProcess, qmp: Any) -> None:
