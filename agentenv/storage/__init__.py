@@ -1,3 +1,5 @@
-"""Disk images for sandboxes: read-only shared bases and per-sandbox copy-on-write
-overlays. It creates and removes image files and knows nothing about VMs or sandboxes.
+"""Disk images and file clones for sandboxes: read-only shared bases, per-sandbox
+copy-on-write overlays, sealed layers and their flattening, and reflinks (or sparse
+copies) of RAM files. It creates and removes files and knows nothing about VMs or
+sandboxes.
 """
