@@ -4,6 +4,7 @@ sandbox, through the HTTP API with real VMs."""
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
 import time
 
 import httpx
@@ -141,7 +142,8 @@ def test_fork_16_children_share_state_not_writes(server: ServerProcess) -> None:
                     server,
                     child,
                     f"cat /home/user/d /dev/shm/m; kill -0 {pid} && echo alive; "
-                    'echo "$FROM_PARENT"; echo child-$RANDOM > /home/user/d; cat /home/user/d',
+                    'echo "$FROM_PARENT"; echo child-$RANDOM > /home/user/d; cat /home/user/d; '
+                    "cat /proc/sys/kernel/random/uuid",
                 )
                 return out
 
@@ -153,6 +155,9 @@ def test_fork_16_children_share_state_not_writes(server: ServerProcess) -> None:
             # Each child's write stays its own: no sibling and not the parent sees it.
             written = {child: out.split("\n")[4] for child, out in outputs.items()}
             assert len(set(written.values())) > 1
+            # Entropy is reseeded in each child: the kernel RNG does not repeat itself.
+            uuids = {out.split("\n")[5] for out in outputs.values()}
+            assert len(uuids) == len(children)
             for child in children[:4]:
                 assert _out(server, child, "cat /home/user/d").strip() == written[child]
             assert _out(server, parent, "cat /home/user/d") == "disk\n"
@@ -324,3 +329,34 @@ def test_snapshot_chains_are_bounded(server: ServerProcess) -> None:
                 c.delete(f"/sandboxes/{sandbox_id}")
             for snapshot_id in snapshots:
                 c.delete(f"/snapshots/{snapshot_id}")
+
+
+def test_failed_snapshot_and_pause_leave_the_sandbox_running(server: ServerProcess) -> None:
+    """Failures half-way (here: the sandbox's directory turned immutable, so sealing the
+    disk cannot create the new top image after the VM was stopped) roll back: the VM
+    runs on, nothing half-made is left, and the operations work once the cause is gone."""
+    with server.client() as c:
+        sandbox_id = _create(c)
+        workdir = server.home / "sandboxes" / sandbox_id
+        try:
+            _out(server, sandbox_id, "echo kept > /home/user/f")
+            subprocess.run(["chattr", "+i", str(workdir)], check=True)
+            try:
+                failed = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "no"})
+                assert failed.status_code == 500, failed.text
+                assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
+                assert _out(server, sandbox_id, "cat /home/user/f") == "kept\n"
+                assert c.get("/snapshots", params={"sandboxID": sandbox_id}).json() == []
+                assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 500
+                assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
+                assert _out(server, sandbox_id, "echo still > /home/user/g") == ""
+            finally:
+                subprocess.run(["chattr", "-i", str(workdir)], check=True)
+            taken = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "yes"})
+            assert taken.status_code == 201, taken.text
+            assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 201
+            assert _out(server, sandbox_id, "cat /home/user/f /home/user/g") == "kept\nstill\n"
+            assert c.delete(f"/snapshots/{taken.json()['snapshotID']}").status_code == 204
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")

@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -261,6 +261,9 @@ def create_app(
         "/sandboxes",
         response_model=list[SandboxDetail],
         response_model_by_alias=True,
+        # Optional fields are left out rather than null: the SDK parses a present
+        # `pauseMode` (and others) as a value.
+        response_model_exclude_none=True,
         dependencies=authed,
         tags=["sandboxes"],
     )
@@ -271,6 +274,9 @@ def create_app(
         "/v2/sandboxes",
         response_model=list[SandboxDetail],
         response_model_by_alias=True,
+        # Optional fields are left out rather than null: the SDK parses a present
+        # `pauseMode` (and others) as a value.
+        response_model_exclude_none=True,
         dependencies=authed,
         tags=["sandboxes"],
     )
@@ -300,17 +306,16 @@ def create_app(
                 if all(v.record.metadata.get(k) == val for k, val in wanted_meta.items())
             ]
         views.sort(key=lambda v: (v.record.started_at, v.sandbox_id))
-        if next_token:
-            views = [v for v in views if _page_key(v) > next_token]
-        if limit is not None and len(views) > limit:
-            views = views[:limit]
-            response.headers["X-Next-Token"] = _page_key(views[-1])
-        return [detail_body(v) for v in views]
+        page = _page(views, _page_key, next_token, limit, response)
+        return [detail_body(v) for v in page]
 
     @app.get(
         "/sandboxes/{sandbox_id}",
         response_model=SandboxDetail,
         response_model_by_alias=True,
+        # Optional fields are left out rather than null: the SDK parses a present
+        # `pauseMode` (and others) as a value.
+        response_model_exclude_none=True,
         dependencies=authed,
         tags=["sandboxes"],
     )
@@ -458,12 +463,8 @@ def create_app(
         views = orchestrator.list_snapshots(sandbox_id)
         if name:
             views = [v for v in views if name in v.names]
-        if next_token:
-            views = [v for v in views if _snapshot_page_key(v) > next_token]
-        if limit is not None and len(views) > limit:
-            views = views[:limit]
-            response.headers["X-Next-Token"] = _snapshot_page_key(views[-1])
-        return [snapshot_body(v) for v in views]
+        page = _page(views, _snapshot_page_key, next_token, limit, response)
+        return [snapshot_body(v) for v in page]
 
     @app.get(
         "/snapshots/{snapshot_id}",
@@ -547,6 +548,26 @@ class IdempotentCreates:
 
 def _failed(task: asyncio.Task[Sandbox]) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
+
+
+V = TypeVar("V")
+
+
+def _page(
+    items: list[V],
+    key: Callable[[V], str],
+    next_token: str | None,
+    limit: int | None,
+    response: Response,
+) -> list[V]:
+    """One page of ``items`` (sorted by ``key``): those after ``next_token``, at most
+    ``limit``, with the token of the next page in ``X-Next-Token`` when there is one."""
+    if next_token:
+        items = [item for item in items if key(item) > next_token]
+    if limit is not None and len(items) > limit:
+        items = items[:limit]
+        response.headers["X-Next-Token"] = key(items[-1])
+    return items
 
 
 def _snapshot_page_key(view: SnapshotView) -> str:

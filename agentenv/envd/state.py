@@ -28,6 +28,7 @@ logger = logging.getLogger("agentenv.envd")
 CLOCK_STEP_THRESHOLD_S = 0.05
 #: RNDADDENTROPY = _IOW('R', 0x03, int[2]) from <linux/random.h>.
 RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
 
 
 class InitError(ValueError):
@@ -188,6 +189,10 @@ def add_entropy(seed: bytes) -> None:
                 padded = seed + b"\0" * (-len(seed) % 4)
                 info = struct.pack("ii", len(seed) * 8, len(seed)) + padded
                 fcntl.ioctl(urandom.fileno(), RNDADDENTROPY, info)
+                # Mixing in is not enough: an initialised CRNG reseeds from its input
+                # pool only once a minute, and every restore of one snapshot would hand
+                # out the same bytes until then.
+                fcntl.ioctl(urandom.fileno(), RNDRESEEDCRNG)
             except OSError:
                 # Without CAP_SYS_ADMIN: a plain write still mixes the bytes in.
                 urandom.write(seed)

@@ -548,10 +548,12 @@ class Orchestrator:
         if settling is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(settling)
-        view = self.get(sandbox_id)
-        if view.record.state != "running":
-            raise Conflict(f"sandbox {sandbox_id} is {view.state}")
-        return view
+        current = self.store.get_sandbox(sandbox_id)
+        if current is None or current.state not in VISIBLE_STATES:
+            raise SandboxNotFound(sandbox_id)
+        if current.state != "running":
+            raise Conflict(f"sandbox {sandbox_id} is {PUBLIC_STATE[current.state]}")
+        return self._view(current)
 
     # -- create --------------------------------------------------------------------------
     def _check_timeout(self, timeout: int) -> None:
@@ -765,10 +767,10 @@ class Orchestrator:
             return await self._pause_disk_only(rec, vm)
         phases = _PhaseTimer()
         dest = rec.workdir / PAUSED_DIR
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir()
         self.store.update_sandbox(sandbox_id, state="pausing")
         try:
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
             # With RAM in the sandbox's own file this writes device state only.
             files = await vm.save_state(dest)
             _write_atomically(dest / PAUSED_MANIFEST, files.to_json())
@@ -880,17 +882,20 @@ class Orchestrator:
         rec = self._existing(sandbox_id)
         if rec.state != "paused":
             raise Conflict(f"sandbox {sandbox_id} is not paused")
-        if rec.pause_mode == "filesystem":
-            return await self._boot_from_disk(rec, timeout)
         phases = _PhaseTimer()
-        files = SnapshotFiles.from_json((rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).read_text())
         snap = self._source_snapshot(rec)
         disk, disk_format = self._current_disk(rec)
-        if files.memory_file is not None:
+        # None for a filesystem-only pause: the guest boots from its disk.
+        files = (
+            None
+            if rec.pause_mode == "filesystem"
+            else SnapshotFiles.from_json((rec.workdir / PAUSED_DIR / PAUSED_MANIFEST).read_text())
+        )
+        if files is not None and files.memory_file is not None:
             memory, shared = files.memory_file, True
         else:
-            # RAM comes from the stream; it lands in a file of the sandbox's own when the
-            # VMM can map one, so the next pause is a device-state save.
+            # RAM comes from the stream (or a boot); it lands in a file of the sandbox's
+            # own when the VMM can map one, so the next pause is a device-state save.
             memory, shared = rec.workdir / MEMORY_FILE, self.driver.shared_memory_boot
             memory.unlink(missing_ok=True)
         self.store.update_sandbox(sandbox_id, state="resuming")
@@ -902,8 +907,19 @@ class Orchestrator:
             net = await self._take_network(rec)
             phases.mark("network")
             spec = self._machine_spec(snap, disk, disk_format, memory, shared, net.netns)
-            vm = await self.driver.restore(spec, files, vm_dir)
-            phases.mark("restore")
+            if files is not None:
+                vm = await self.driver.restore(spec, files, vm_dir)
+                phases.mark("restore")
+            else:
+                vm = await self.driver.boot(spec, vm_dir)
+                booted = vm
+                await envd_client.wait_healthy(
+                    self.http,
+                    net.guest_address,
+                    self.config.template_boot_timeout,
+                    alive=lambda: booted.state is not VMRunState.STOPPED,
+                )
+                phases.mark("boot")
         except Exception as exc:
             if vm is not None:
                 await vm.kill()
@@ -917,59 +933,11 @@ class Orchestrator:
         self.store.update_sandbox(
             sandbox_id, state="running", end_at=end_at, memory_mode=mode, pause_mode=None
         )
-        rec.state, rec.end_at, rec.memory_mode = "running", end_at, mode
+        rec.state, rec.end_at, rec.memory_mode, rec.pause_mode = "running", end_at, mode, None
         # The saved state is consumed: the running machine has moved on from it.
         shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
         self._settle(rec, net.guest_address)
         log.info("sandbox %s resumed in %s", sandbox_id, phases)
-        return self._view(rec)
-
-    async def _boot_from_disk(self, rec: SandboxRecord, timeout: int) -> SandboxView:
-        """Resume a filesystem-only pause: a cold boot of the sandbox's own disk (seconds
-        under TCG), then envd's initialisation as for a new sandbox."""
-        phases = _PhaseTimer()
-        snap = self._source_snapshot(rec)
-        disk, disk_format = self._current_disk(rec)
-        memory = rec.workdir / MEMORY_FILE
-        memory.unlink(missing_ok=True)
-        shared = self.driver.shared_memory_boot
-        self.store.update_sandbox(rec.sandbox_id, state="resuming")
-        vm: VirtualMachine | None = None
-        try:
-            vm_dir = rec.workdir / VM_DIR
-            shutil.rmtree(vm_dir, ignore_errors=True)
-            vm_dir.mkdir()
-            net = await self._take_network(rec)
-            spec = self._machine_spec(snap, disk, disk_format, memory, shared, net.netns)
-            vm = await self.driver.boot(spec, vm_dir)
-            booted = vm
-            await envd_client.wait_healthy(
-                self.http,
-                net.guest_address,
-                self.config.template_boot_timeout,
-                alive=lambda: booted.state is not VMRunState.STOPPED,
-            )
-            phases.mark("boot")
-            await envd_client.init(
-                self.http, net.guest_address, env_vars=rec.env_vars, access_token=rec.envd_token
-            )
-            phases.mark("envd_init")
-        except Exception as exc:
-            if vm is not None:
-                await vm.kill()
-            with contextlib.suppress(Exception):
-                await self.network.destroy(rec.slot)
-            self.store.update_sandbox(rec.sandbox_id, state="paused")
-            raise OperationFailed(f"resuming sandbox {rec.sandbox_id} failed: {exc}") from exc
-        self._vms[rec.sandbox_id] = vm
-        end_at = utcnow() + timedelta(seconds=timeout)
-        mode = "shared" if shared else "private"
-        self.store.update_sandbox(
-            rec.sandbox_id, state="running", end_at=end_at, memory_mode=mode, pause_mode=None
-        )
-        rec.state, rec.end_at, rec.memory_mode, rec.pause_mode = "running", end_at, mode, None
-        shutil.rmtree(rec.workdir / PAUSED_DIR, ignore_errors=True)
-        log.info("sandbox %s booted from its disk in %s", rec.sandbox_id, phases)
         return self._view(rec)
 
     def _settle(self, rec: SandboxRecord, guest_address: str) -> None:
@@ -1052,7 +1020,10 @@ class Orchestrator:
         base_depth = self._base_depth(rec, source)
         snapshot_id = new_snapshot_id()
         directory = self.config.snapshots_dir / snapshot_id
-        directory.mkdir()
+        try:
+            directory.mkdir()
+        except OSError as exc:
+            raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
         # Recorded (hidden) before the disk is sealed: from then on the sandbox's disk
         # may depend on this directory, so nothing may remove it unrecorded.
         snap_rec = SnapshotRecord(
