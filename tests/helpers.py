@@ -22,6 +22,14 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# A guest command starting a background process that counts in /dev/shm/counter (RAM:
+# it survives only if memory does) five times a second; prints the process's pid. The
+# count is replaced atomically, so a reader never sees an empty file.
+COUNTER = (
+    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /dev/shm/.counter; "
+    "mv /dev/shm/.counter /dev/shm/counter; sleep 0.2; done' >/dev/null 2>&1 & echo $!"
+)
 TEST_API_KEY = "e2b_" + "ab" * 20
 
 

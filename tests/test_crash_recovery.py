@@ -16,14 +16,9 @@ import httpx
 import pytest
 
 from agentenv.config import Config
-from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
+from tests.helpers import COUNTER, ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
-
-COUNTER = (
-    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /dev/shm/counter; sleep 0.2; done'"
-    " >/dev/null 2>&1 & echo $!"
-)
 
 
 @pytest.fixture(scope="module")

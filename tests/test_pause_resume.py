@@ -10,14 +10,9 @@ import httpx
 import pytest
 
 from tests.e2b.support import sdk_client, wait_until
-from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
+from tests.helpers import COUNTER, ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
-
-COUNTER = (
-    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
-    ">/dev/null 2>&1 & echo $!"
-)
 
 
 def test_pause_resume_keeps_files_and_processes(server: ServerProcess) -> None:
@@ -28,7 +23,7 @@ def test_pause_resume_keeps_files_and_processes(server: ServerProcess) -> None:
             assert run_command(server.url, sandbox_id, "echo kept > /home/user/f").exit_code == 0
             pid = int(run_command(server.url, sandbox_id, COUNTER).stdout)
             time.sleep(1)
-            before = int(run_command(server.url, sandbox_id, "cat /tmp/counter").stdout)
+            before = int(run_command(server.url, sandbox_id, "cat /dev/shm/counter").stdout)
             namespaces = netns_names()
 
             assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
@@ -53,7 +48,7 @@ def test_pause_resume_keeps_files_and_processes(server: ServerProcess) -> None:
             assert run_command(server.url, sandbox_id, "cat /home/user/f").stdout == "kept\n"
             assert run_command(server.url, sandbox_id, f"kill -0 {pid}").exit_code == 0
             time.sleep(1)
-            after = int(run_command(server.url, sandbox_id, "cat /tmp/counter").stdout)
+            after = int(run_command(server.url, sandbox_id, "cat /dev/shm/counter").stdout)
             assert after > before
             # Connecting to a running sandbox is 200, and the legacy resume says 409.
             assert c.post(f"/v2/sandboxes/{sandbox_id}/connect", json={}).status_code == 200

@@ -13,14 +13,9 @@ import pytest
 from agentenv.orchestrator.orchestrator import MAX_DISK_CHAIN
 from agentenv.storage.images import backing_chain
 from tests.e2b.support import sdk_client, wait_until
-from tests.helpers import ServerProcess, netns_names, run_command, vmm_pids
+from tests.helpers import COUNTER, ServerProcess, netns_names, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
-
-COUNTER = (
-    "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /dev/shm/counter; sleep 0.2; done'"
-    " >/dev/null 2>&1 & echo $!"
-)
 
 
 def _create(c: httpx.Client, template: str = "base", **extra: object) -> str:
