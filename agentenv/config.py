@@ -41,6 +41,7 @@ _ENV_FIELDS: dict[str, str] = {
     "AENV_DOMAIN": "domain",
     "AENV_LOG_LEVEL": "log_level",
     "AENV_NETWORK_LINGER": "network_linger",
+    "AENV_SANDBOX_MEMORY": "sandbox_memory",
 }
 
 
@@ -62,6 +63,11 @@ class Config:
     # Seconds a paused sandbox keeps its network namespace before it is released, so a
     # quick pause/resume cycle does not pay for tearing it down and building it again.
     network_linger: float = 30.0
+    # How a new sandbox's RAM is backed: "file" (a reflink of the template's RAM file,
+    # mapped shared: pause saves device state only, snapshots reflink it), "shared-image"
+    # (a private copy-on-write mapping of the template's file: denser, pause streams RAM),
+    # or "auto" ("file" where the data directory can reflink).
+    sandbox_memory: Literal["auto", "file", "shared-image"] = "auto"
     # How long a template boot may take before we give up (TCG cold boots take seconds).
     template_boot_timeout: float = 120.0
     template_boot_attempts: int = 3
@@ -147,6 +153,10 @@ class Config:
             raise ConfigError(f"vmm must be auto, qemu or firecracker, got {self.vmm!r}")
         if self.accel not in ("auto", "kvm", "tcg"):
             raise ConfigError(f"accel must be auto, kvm or tcg, got {self.accel!r}")
+        if self.sandbox_memory not in ("auto", "file", "shared-image"):
+            raise ConfigError(
+                f"sandbox_memory must be auto, file or shared-image, got {self.sandbox_memory!r}"
+            )
         if self.vcpus < 1 or self.memory_mib < 128:
             raise ConfigError("vcpus must be >= 1 and memory_mib >= 128")
         if not 0 < self.default_timeout <= self.max_timeout:

@@ -28,6 +28,10 @@ def test_bad_values_are_named(tmp_path: Path) -> None:
         Config.load(env={"AENV_HOME": str(tmp_path), "AENV_VCPUS": "many"})
     with pytest.raises(ConfigError, match="vmm"):
         Config.load(env={"AENV_HOME": str(tmp_path), "AENV_VMM": "bochs"})
+    with pytest.raises(ConfigError, match="sandbox_memory"):
+        Config.load(env={"AENV_HOME": str(tmp_path), "AENV_SANDBOX_MEMORY": "swap"})
+    with pytest.raises(ConfigError, match="network_linger"):
+        Config.load(env={"AENV_HOME": str(tmp_path), "AENV_NETWORK_LINGER": "soon"})
     (tmp_path / "config.toml").write_text("listen = [")
     with pytest.raises(ConfigError, match=r"config\.toml"):
         Config.load(env={"AENV_HOME": str(tmp_path)})
@@ -80,6 +84,39 @@ def test_store_round_trip(tmp_path: Path) -> None:
     assert store.used_slots() == {3}
     store.delete_sandbox("iabc")
     assert store.get_sandbox("iabc") is None
+
+
+def test_store_migrates_a_version_1_database(tmp_path: Path) -> None:
+    """A data directory from before snapshots keeps its sandboxes: the new columns are
+    added with defaults when the store opens it."""
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.executescript(
+        "CREATE TABLE sandboxes (sandbox_id TEXT PRIMARY KEY, template_id TEXT NOT NULL,"
+        " template_build_id TEXT NOT NULL, state TEXT NOT NULL, slot INTEGER NOT NULL UNIQUE,"
+        " workdir TEXT NOT NULL, started_at TEXT NOT NULL, end_at TEXT NOT NULL,"
+        " vcpus INTEGER NOT NULL, memory_mib INTEGER NOT NULL, disk_size_mib INTEGER NOT NULL,"
+        " envd_version TEXT NOT NULL, envd_token TEXT, metadata TEXT NOT NULL,"
+        " env_vars TEXT NOT NULL, auto_pause INTEGER NOT NULL DEFAULT 0,"
+        " allow_internet INTEGER NOT NULL DEFAULT 0);"
+        "INSERT INTO sandboxes VALUES ('iold', 'base', 'b1', 'paused', 0, '/x',"
+        " '2026-01-01T00:00:00+00:00', '2026-01-01T00:00:00+00:00', 1, 512, 1, '0.6.4',"
+        " NULL, '{}', '{}', 0, 0);"
+    )
+    db.close()
+    store = Store(tmp_path / "state.db")
+    store.open()
+    old = store.get_sandbox("iold")
+    assert old is not None
+    assert (old.state, old.memory_mode, old.disk_path, old.parent_id) == (
+        "paused",
+        "private",
+        None,
+        None,
+    )
+    assert store.list_snapshots() == []
+    store.close()
 
 
 @pytest.mark.parametrize(

@@ -355,3 +355,39 @@ def test_failed_snapshot_and_pause_leave_the_sandbox_running(server: ServerProce
             assert c.delete(f"/snapshots/{taken.json()['snapshotID']}").status_code == 204
         finally:
             c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_fork_children_pause_snapshot_and_fork_again(server: ServerProcess) -> None:
+    """A fork child's RAM is a private mapping of its parent's image: pausing it streams
+    RAM (and it comes back with a file of its own), and it can be snapshotted and forked
+    like any sandbox."""
+    with server.client() as c:
+        parent = _create(c)
+        made = [parent]
+        snapshot_id = None
+        try:
+            _out(server, parent, "echo 1 > /home/user/gen; echo p > /dev/shm/m")
+            child = c.post(f"/sandboxes/{parent}/fork", json={}).json()[0]["sandbox"]["sandboxID"]
+            made.append(child)
+            pid = int(_out(server, child, COUNTER))
+            assert c.post(f"/sandboxes/{child}/pause").status_code == 204
+            assert c.post(f"/sandboxes/{child}/connect", json={}).status_code == 201
+            assert _out(server, child, f"kill -0 {pid}; cat /home/user/gen /dev/shm/m") == "1\np\n"
+            _out(server, child, "echo 2 > /home/user/gen")
+            grandchild = c.post(f"/sandboxes/{child}/fork", json={"count": 1}).json()[0]
+            grandchild_id = grandchild["sandbox"]["sandboxID"]
+            made.append(grandchild_id)
+            assert _out(server, grandchild_id, f"kill -0 {pid}; cat /home/user/gen") == "2\n"
+            lineage = c.get(f"/sandboxes/{grandchild_id}").json()["lineage"]
+            assert lineage["parentID"] == child
+            snapshot_id = c.post(f"/sandboxes/{grandchild_id}/snapshots", json={}).json()[
+                "snapshotID"
+            ]
+            from_snapshot = _create(c, snapshot_id)
+            made.append(from_snapshot)
+            assert _out(server, from_snapshot, "cat /home/user/gen /dev/shm/m") == "2\np\n"
+        finally:
+            for sandbox_id in made:
+                c.delete(f"/sandboxes/{sandbox_id}")
+            if snapshot_id:
+                c.delete(f"/snapshots/{snapshot_id}")

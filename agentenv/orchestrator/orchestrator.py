@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 import shutil
+import sqlite3
 import string
 import time
 from collections.abc import Awaitable, Callable
@@ -296,7 +297,10 @@ class Orchestrator:
         ):
             d.mkdir(parents=True, exist_ok=True)
         reflinks = supports_reflink(self.config.sandboxes_dir)
-        self.own_memory_files = reflinks and self.driver.shared_memory_boot
+        wanted = self.config.sandbox_memory
+        self.own_memory_files = self.driver.shared_memory_boot and (
+            wanted == "file" or (wanted == "auto" and reflinks)
+        )
         log.info(
             "data directory %s %s reflinks: sandbox RAM is %s",
             self.config.home,
@@ -417,7 +421,8 @@ class Orchestrator:
         """A snapshot whose manifest was never written did not complete: hide it (its
         layer may back a sandbox's disk) and let collection remove it once unused."""
         for snap in self.store.list_snapshots():
-            if snap.state == "ready" and not (snap.snapshot_dir / PAUSED_MANIFEST).exists():
+            complete = (snap.snapshot_dir / PAUSED_MANIFEST).exists()
+            if snap.state == "pending" or (snap.state == "ready" and not complete):
                 log.warning("snapshot %s is incomplete; hiding it", snap.snapshot_id)
                 self.store.update_snapshot(snap.snapshot_id, state="deleted")
             elif snap.kind == "fork" and snap.state == "ready":
@@ -1024,13 +1029,14 @@ class Orchestrator:
             directory.mkdir()
         except OSError as exc:
             raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
-        # Recorded (hidden) before the disk is sealed: from then on the sandbox's disk
-        # may depend on this directory, so nothing may remove it unrecorded.
+        # Recorded (pending: hidden, and never collected) before the disk is sealed: from
+        # then on the sandbox's disk may depend on this directory, so nothing may remove
+        # it unrecorded.
         snap_rec = SnapshotRecord(
             snapshot_id=snapshot_id,
             name=None,
             kind=kind,
-            state="deleted",
+            state="pending",
             sandbox_id=rec.sandbox_id,
             template_id=rec.template_id,
             parent_id=rec.snapshot_id,
@@ -1069,7 +1075,10 @@ class Orchestrator:
             with contextlib.suppress(VMMError):
                 await vm.resume()
             self.store.update_sandbox(rec.sandbox_id, state="running")
-            if not sealed:
+            if sealed:
+                # The sandbox's disk builds on the sealed layer: collected with it.
+                self.store.update_snapshot(snapshot_id, state="deleted")
+            else:
                 self.store.delete_snapshot(snapshot_id)
                 shutil.rmtree(directory, ignore_errors=True)
             raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
@@ -1078,17 +1087,23 @@ class Orchestrator:
         finally:
             self.store.update_sandbox(rec.sandbox_id, state="running")
         phases.mark("resume")
-        write_manifest(
-            replace(
-                source,
-                directory=directory,
-                files=files,
-                disk=disk,
-                disk_format="qcow2",
-                disk_chain_depth=base_depth + 1,
+        try:
+            write_manifest(
+                replace(
+                    source,
+                    directory=directory,
+                    files=files,
+                    disk=disk,
+                    disk_format="qcow2",
+                    disk_chain_depth=base_depth + 1,
+                )
             )
-        )
-        self.store.update_snapshot(snapshot_id, state="ready", name=name)
+            self.store.update_snapshot(snapshot_id, state="ready", name=name)
+        except (OSError, SnapshotError, sqlite3.IntegrityError) as exc:
+            self.store.update_snapshot(snapshot_id, state="deleted")
+            if isinstance(exc, sqlite3.IntegrityError):
+                raise Conflict(f"a snapshot named {name!r} already exists") from exc
+            raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
         snap_rec.state, snap_rec.name = "ready", name
         # Safe from a server crash already (it is in the page cache); on stable storage,
         # safe from a power loss, a moment later.
@@ -1176,7 +1191,7 @@ class Orchestrator:
                 used.update(p.parent for p in backing_chain(snap.snapshot_dir / "disk.qcow2"))
         removed = []
         for snap in records:
-            if snap.state != "ready" and snap.snapshot_dir not in used:
+            if snap.state == "deleted" and snap.snapshot_dir not in used:
                 shutil.rmtree(snap.snapshot_dir, ignore_errors=True)
                 self.store.delete_snapshot(snap.snapshot_id)
                 removed.append(snap.snapshot_id)

@@ -96,8 +96,8 @@ class TemplateRecord:
 @dataclass
 class SnapshotRecord:
     """A persistent snapshot (``kind='snapshot'``) or the frozen parent image of a fork
-    (``kind='fork'``, never listed). ``state`` is ``ready``, or ``deleted`` while sandboxes
-    started from it still use its files."""
+    (``kind='fork'``, never listed). ``state`` is ``pending`` while it is being taken,
+    ``ready``, or ``deleted`` (hidden; its files go once nothing uses them)."""
 
     snapshot_id: str
     name: str | None
