@@ -269,6 +269,8 @@ class Orchestrator:
         # network_linger), with the task that releases it.
         self._lingering: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[object]] = set()
+        # Snapshot directories whose disk chain is being flattened.
+        self._flattening: set[Path] = set()
         self._reserved_slots: set[int] = set()
         self.templates = TemplateManager(
             config,
@@ -1022,7 +1024,6 @@ class Orchestrator:
         vm = self._running_vm(rec)
         phases = _PhaseTimer()
         source = self._source_snapshot(rec)
-        base_depth = self._base_depth(rec, source)
         snapshot_id = new_snapshot_id()
         directory = self.config.snapshots_dir / snapshot_id
         try:
@@ -1087,6 +1088,10 @@ class Orchestrator:
         finally:
             self.store.update_sandbox(rec.sandbox_id, state="running")
         phases.mark("resume")
+        # Counted from the images themselves: a flatten in progress may not have
+        # rewritten its manifest yet.
+        chain = [p for p in backing_chain(disk) if p.suffix == ".qcow2"]
+        depth = len(chain)
         try:
             write_manifest(
                 replace(
@@ -1095,7 +1100,7 @@ class Orchestrator:
                     files=files,
                     disk=disk,
                     disk_format="qcow2",
-                    disk_chain_depth=base_depth + 1,
+                    disk_chain_depth=depth,
                 )
             )
             self.store.update_snapshot(snapshot_id, state="ready", name=name)
@@ -1109,7 +1114,7 @@ class Orchestrator:
         # safe from a power loss, a moment later.
         durable = [disk, *([files.memory_file] if files.memory_file else []), files.state_file]
         self._keep(asyncio.get_running_loop().create_task(self._make_durable(durable)))
-        if base_depth + 1 > MAX_DISK_CHAIN:
+        if depth > MAX_DISK_CHAIN and not any(p.parent in self._flattening for p in chain):
             self._keep(asyncio.get_running_loop().create_task(self._flatten(directory)))
         log.info("sandbox %s: %s %s taken in %s", rec.sandbox_id, kind, snapshot_id, phases)
         return snap_rec
@@ -1120,6 +1125,7 @@ class Orchestrator:
         the old file open keep reading it, and every later open (restores, sandboxes
         started from the snapshot, the sandbox's own next disk top) gets the short chain
         with the same contents."""
+        self._flattening.add(directory)
         try:
             snapshot = MachineSnapshot.load(directory)
             chain = backing_chain(snapshot.disk)
@@ -1136,6 +1142,8 @@ class Orchestrator:
         except Exception as exc:
             # The deep chain still works; the next snapshot tries again.
             log.warning("flattening the disk of snapshot %s failed: %s", directory.name, exc)
+        finally:
+            self._flattening.discard(directory)
 
     @staticmethod
     async def _make_durable(paths: list[Path]) -> None:
@@ -1143,15 +1151,6 @@ class Orchestrator:
             await asyncio.to_thread(make_durable, *paths)
         except OSError as exc:  # deleted meanwhile, or a failing disk
             log.warning("writing snapshot files to stable storage failed: %s", exc)
-
-    def _base_depth(self, rec: SandboxRecord, source: MachineSnapshot) -> int:
-        """Depth of the image chain below the sandbox's current top."""
-        if rec.snapshot_id is not None:
-            base = self.store.get_snapshot(rec.snapshot_id)
-            if base is not None:
-                with contextlib.suppress(SnapshotError):
-                    return MachineSnapshot.load(base.snapshot_dir).disk_chain_depth
-        return source.disk_chain_depth
 
     def get_snapshot(self, key: str) -> SnapshotView:
         rec = self.store.get_snapshot(key)
