@@ -69,6 +69,12 @@ def test_snapshot_starts_sandboxes_and_parent_keeps_running(server: ServerProces
             assert _out(server, children[1], "cat /home/user/state") == "on-disk\n"
             assert _out(server, parent, "cat /home/user/state") == "changed\n"
 
+            # Names may carry E2B's namespace/name:tag shape.
+            slashed = c.post(f"/sandboxes/{parent}/snapshots", json={"name": "team/snap:v1"})
+            assert slashed.status_code == 201, slashed.text
+            assert c.get("/snapshots/team/snap:v1").json()["names"] == ["team/snap:v1"]
+            assert c.delete("/snapshots/team/snap:v1").status_code == 204
+
             # Deleting hides it at once; sandboxes started from it keep working.
             assert c.delete(f"/snapshots/{snapshot_id}").status_code == 204
             assert c.get(f"/snapshots/{snapshot_id}").status_code == 404

@@ -467,7 +467,7 @@ def create_app(
         return [snapshot_body(v) for v in page]
 
     @app.get(
-        "/snapshots/{snapshot_id}",
+        "/snapshots/{snapshot_id:path}",
         response_model=SnapshotInfo,
         response_model_by_alias=True,
         dependencies=authed,
@@ -477,7 +477,7 @@ def create_app(
         return snapshot_body(orchestrator.get_snapshot(snapshot_id))
 
     @app.delete(
-        "/snapshots/{snapshot_id}", status_code=204, dependencies=authed, tags=["snapshots"]
+        "/snapshots/{snapshot_id:path}", status_code=204, dependencies=authed, tags=["snapshots"]
     )
     async def delete_snapshot(snapshot_id: str) -> Response:
         orchestrator.delete_snapshot(snapshot_id)

@@ -1,27 +1,302 @@
-"""``aenv``: the command line for people. For now it starts the server and shows the
-node's health; the full sandbox commands build on the HTTP API."""
+"""``aenv``'s commands (Typer). Each one resolves the settings, talks to the server
+through ``ControlPlane`` (HTTP routes) or an SDK ``Sandbox`` (envd), and prints through
+``output``; failures are raised as ``CliError`` and reported once, by ``main``."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import shlex
+import sys
+from collections.abc import Iterator, Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 
-app = typer.Typer(help="agentenv: microVM sandboxes for agents.", no_args_is_help=True)
+from agentenv import __version__
+from agentenv.cli import settings as settings_store
+from agentenv.cli.api import ControlPlane, JsonObject
+from agentenv.cli.errors import CliError, ExitCode, translate
+from agentenv.cli.output import (
+    OutputFormat,
+    ago,
+    human_bytes,
+    json_requested,
+    note,
+    print_json,
+    print_lines,
+    report_error,
+    stderr_console,
+    table,
+    until,
+    use_output,
+)
+from agentenv.cli.settings import Settings
+
+# The e2b SDK, and the modules using it (terminal, transfer), are imported by the commands
+# that need them: it takes about half a second to import, which `aenv ls` and every shell
+# completion would otherwise pay.
+if TYPE_CHECKING:
+    from agentenv.cli.transfer import Transferred
+
+app = typer.Typer(
+    name="aenv",
+    help="agentenv: microVM sandboxes for agents. Talks to an agentenv server over HTTP.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+auth_app = typer.Typer(help="Store and check the server URL and API key.")
+template_app = typer.Typer(help="Templates (and snapshots, which start sandboxes too).")
+snapshot_app = typer.Typer(help="Persistent snapshots of running sandboxes.", no_args_is_help=True)
+app.add_typer(auth_app, name="auth")
+app.add_typer(template_app, name="template", no_args_is_help=True)
+app.add_typer(snapshot_app, name="snapshot")
+
+# While a shell is attached its sandbox is kept alive this many seconds past the last
+# keep-alive (sent every 30 s), so it outlives a short network hiccup but not the session
+# by much.
+ATTACHED_LIFETIME = 120
 
 
-def _server() -> str:
-    return os.environ.get("AENV_SERVER", "http://127.0.0.1:8000").rstrip("/")
+class SandboxState(StrEnum):
+    RUNNING = "running"
+    PAUSED = "paused"
 
 
+Output = Annotated[
+    OutputFormat | None,
+    typer.Option(
+        "--output",
+        "-o",
+        case_sensitive=False,
+        help="table or json (default: table on a terminal, json when piped)",
+    ),
+]
+SandboxId = Annotated[str, typer.Argument(metavar="ID", help="sandbox id")]
+UserOption = Annotated[
+    str | None, typer.Option("--user", "-u", help="guest user (default: envd's default user)")
+]
+
+
+# -- helpers ------------------------------------------------------------------------------
+def control_plane(*, need_key: bool = True) -> ControlPlane:
+    return ControlPlane(settings_store.load(), need_key=need_key)
+
+
+def parse_pairs(values: Sequence[str] | None, option: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for value in values or ():
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {value!r}", param_hint=option)
+        pairs[key] = val
+    return pairs
+
+
+@contextlib.contextmanager
+def busy(message: str) -> Iterator[None]:
+    """A spinner on stderr while slow work runs, when stderr is a terminal."""
+    if sys.stderr.isatty():
+        with stderr_console().status(message):
+            yield
+    else:
+        yield
+
+
+def print_ids(ids: Sequence[str], objects: Any) -> None:
+    """An action's result: the ids, or the full objects with ``--output json``."""
+    if json_requested():
+        print_json(objects)
+    else:
+        print_lines(ids)
+
+
+def shell_session(
+    cp: ControlPlane,
+    sandbox_id: str,
+    *,
+    kill_after: bool,
+    user: str | None,
+    cwd: str | None,
+) -> int:
+    """Attach a shell to a running sandbox; its exit status. The sandbox is killed
+    afterwards when ``kill_after``, also when attaching fails or is interrupted."""
+    from agentenv.cli.terminal import attach_shell
+
+    try:
+        sandbox = cp.sandbox(sandbox_id)
+        return attach_shell(
+            sandbox,
+            user=user,
+            cwd=cwd,
+            keepalive=lambda: cp.refresh(sandbox_id, ATTACHED_LIFETIME),
+        )
+    except CliError:
+        raise
+    except Exception as exc:
+        raise translate(exc, cp.server) from exc
+    finally:
+        if kill_after:
+            with contextlib.suppress(CliError):
+                cp.kill(sandbox_id)
+
+
+def not_supported(what: str) -> CliError:
+    return CliError(
+        f"{what} is not supported yet: the server cannot build templates from images (issue #5)",
+        ExitCode.NOT_SUPPORTED,
+    )
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"aenv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """agentenv: microVM sandboxes for agents.
+
+    Configure with `aenv auth` (or AENV_SERVER / AENV_API_KEY). Exit codes: 0 ok,
+    1 error, 2 usage, 3 auth, 4 not found, 5 server unreachable, 6 conflict, 7 not
+    supported yet; exec, start and connect exit with the guest command's status.
+    """
+
+
+# -- auth ----------------------------------------------------------------------------------
+@auth_app.callback(invoke_without_command=True)
+def auth(
+    ctx: typer.Context,
+    server: Annotated[str | None, typer.Option("--server", help="server URL")] = None,
+    key: Annotated[str | None, typer.Option("--key", help="API key")] = None,
+    show: Annotated[
+        bool, typer.Option("--show", help="Show the settings in use and check them.")
+    ] = False,
+    output: Output = None,
+) -> None:
+    """Check a server URL and API key with the server, then store them.
+
+    Prompts for what is not given. The file (mode 0600) is
+    $XDG_CONFIG_HOME/aenv/config.toml; AENV_SERVER and AENV_API_KEY override it."""
+    if ctx.invoked_subcommand is not None:
+        return
+    fmt = use_output(output)
+    if show:
+        show_auth(fmt)
+        return
+    current = settings_store.load()
+    if server is None:
+        server = (
+            typer.prompt("Server URL", default=current.server)
+            if sys.stdin.isatty()
+            else current.server
+        )
+    if key is None:
+        key = typer.prompt("API key", hide_input=True)
+    server = settings_store.normalize_server(server)
+    key = key.strip()
+    if not key:
+        raise CliError("the API key is empty", ExitCode.USAGE)
+    with ControlPlane(Settings(server, key, "argument", "argument")) as cp:
+        health = cp.health()
+        cp.check_key()
+    path = settings_store.save(server, key)
+    if json_requested():
+        print_json({"server": server, "configFile": str(path), "version": health.get("version")})
+    else:
+        note(f"authenticated with {server}; stored in {path}")
+    overridden = [
+        name
+        for name, source in (
+            (settings_store.SERVER_ENV, current.server_source),
+            (settings_store.API_KEY_ENV, current.api_key_source),
+        )
+        if source == "env"
+    ]
+    if overridden:
+        note(f"{' and '.join(overridden)} in the environment override the stored values")
+
+
+@auth_app.command("status")
+def auth_status(output: Output = None) -> None:
+    """Show the settings in use and check them with the server (same as --show)."""
+    show_auth(use_output(output))
+
+
+@auth_app.command("logout")
+def auth_logout(output: Output = None) -> None:
+    """Forget the stored server URL and API key."""
+    use_output(output)
+    removed = settings_store.forget()
+    path = settings_store.config_path()
+    if json_requested():
+        print_json({"configFile": str(path), "removed": removed})
+    else:
+        note(f"removed {path}" if removed else f"nothing stored at {path}")
+
+
+def show_auth(fmt: OutputFormat) -> None:
+    current = settings_store.load()
+    path = settings_store.config_path()
+    problem: CliError | None = None
+    status = "ok"
+    try:
+        with ControlPlane(current, need_key=False) as cp:
+            health = cp.health()
+            current.require_api_key()
+            cp.check_key()
+        status = f"ok (agentenv {health.get('version')}, {health.get('vmm')}/{health.get('accel')})"
+    except CliError as exc:
+        problem = exc
+        status = {
+            ExitCode.AUTH: "not authenticated",
+            ExitCode.UNREACHABLE: "unreachable",
+        }.get(exc.exit_code, "error")
+    masked = settings_store.mask_key(current.api_key) if current.api_key else None
+    if fmt is OutputFormat.JSON:
+        print_json(
+            {
+                "server": current.server,
+                "serverSource": current.server_source,
+                "apiKey": masked,
+                "apiKeySource": current.api_key_source,
+                "configFile": str(path),
+                "status": status,
+            }
+        )
+    else:
+        table(
+            ("", ""),
+            [
+                ("server", f"{current.server}  ({current.server_source})"),
+                ("api key", f"{masked or '-'}  ({current.api_key_source})"),
+                ("config", f"{path}" + ("" if path.exists() else "  (not written)")),
+                ("status", status),
+            ],
+        )
+    if problem is not None:
+        # The status above already says what is wrong, in the JSON output too.
+        raise CliError(problem.message, problem.exit_code, json_output=False)
+
+
+# -- node and templates --------------------------------------------------------------------
 @app.command()
 def server(
-    listen: str | None = typer.Option(None, help="host:port to listen on"),
-    home: str | None = typer.Option(None, help="data directory"),
+    listen: Annotated[str | None, typer.Option(help="host:port to listen on")] = None,
+    home: Annotated[str | None, typer.Option(help="data directory")] = None,
 ) -> None:
-    """Start a node server (same as aenv-server)."""
+    """Start a node server here (same as aenv-server)."""
     from agentenv.server import main as server_main
 
     argv = []
@@ -33,15 +308,520 @@ def server(
 
 
 @app.command()
-def health() -> None:
-    """Show the server's health (VMM, accelerator, templates)."""
+def health(output: Output = None) -> None:
+    """Show the server's health: VMM, accelerator, templates (needs no API key)."""
+    fmt = use_output(output)
+    with control_plane(need_key=False) as cp:
+        status = cp.health()
+    if fmt is OutputFormat.JSON:
+        print_json(status)
+        return
+    rows = [
+        ("status", str(status.get("status"))),
+        ("version", str(status.get("version"))),
+        ("vmm", f"{status.get('vmm')} ({status.get('accel')})"),
+        ("sandboxes", str(status.get("sandboxes"))),
+    ]
+    rows += [(f"template {name}", state) for name, state in status["templates"].items()]
+    if status.get("detail"):
+        rows.append(("detail", str(status["detail"])))
+    table(("", ""), rows, title=cp.server)
+
+
+@template_app.command("ls")
+def template_ls(output: Output = None) -> None:
+    """List templates with their state, and the snapshots that serve as templates."""
+    fmt = use_output(output)
+    with control_plane() as cp:
+        templates = cp.health()["templates"]
+        snapshots = cp.list_snapshots()
+    items: list[JsonObject] = [
+        {"templateID": name, "kind": "template", "state": state, "names": []}
+        for name, state in templates.items()
+    ]
+    items += [
+        {
+            "templateID": snap["snapshotID"],
+            "kind": "snapshot",
+            "state": "ready",
+            "names": snap.get("names", []),
+            "sandboxID": snap.get("sandboxID"),
+            "createdAt": snap.get("createdAt"),
+        }
+        for snap in snapshots
+    ]
+    if fmt is OutputFormat.JSON:
+        print_json(items)
+        return
+    table(
+        ("TEMPLATE", "KIND", "STATE", "NAMES", "FROM SANDBOX", "CREATED"),
+        [
+            (
+                item["templateID"],
+                item["kind"],
+                item["state"],
+                ", ".join(item["names"]) or "-",
+                item.get("sandboxID") or "-",
+                ago(item.get("createdAt")),
+            )
+            for item in items
+        ],
+    )
+
+
+@template_app.command("rm")
+def template_rm(
+    names: Annotated[list[str], typer.Argument(metavar="NAME", help="template or snapshot")],
+    output: Output = None,
+) -> None:
+    """Delete templates (snapshots; built-in templates cannot be deleted)."""
+    use_output(output)
+    with control_plane() as cp:
+        remove_each(names, cp.delete_template)
+
+
+# Whatever a future `build`/`pull` will take is accepted now, so scripts written for it
+# get the "not supported yet" exit code (7) rather than a usage error (2).
+_ANY_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@template_app.command("build", context_settings=_ANY_ARGS)
+def template_build() -> None:
+    """Build a template (not supported yet: exits with 7)."""
+    raise not_supported("`aenv template build`")
+
+
+@app.command(context_settings=_ANY_ARGS)
+def pull(
+    image: Annotated[str, typer.Argument(help="container image, e.g. python:3.12")],
+    name: Annotated[str | None, typer.Option("--name", help="template name")] = None,
+) -> None:
+    """Make a template from an image (not supported yet: exits with 7)."""
+    raise not_supported("`aenv pull`")
+
+
+# -- sandboxes -----------------------------------------------------------------------------
+@app.command()
+def start(
+    template: Annotated[str, typer.Argument(help="template or snapshot")] = "base",
+    detach: Annotated[
+        bool, typer.Option("--detach", "-d", help="Print the sandbox id and return.")
+    ] = False,
+    timeout: Annotated[
+        int | None,
+        typer.Option("--timeout", "-t", min=0, help="lifetime in seconds (server default)"),
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Keep the sandbox when the shell exits.")
+    ] = False,
+    metadata: Annotated[
+        list[str] | None, typer.Option("--metadata", "-m", help="KEY=VALUE, repeatable")
+    ] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE, repeatable")
+    ] = None,
+    user: UserOption = None,
+    cwd: Annotated[str | None, typer.Option("--cwd", help="shell's directory")] = None,
+    output: Output = None,
+) -> None:
+    """Start a sandbox and attach a shell to it; exits with the shell's status.
+
+    The sandbox is killed when the shell ends, unless --keep or --detach."""
+    use_output(output)
+    meta = parse_pairs(metadata, "--metadata")
+    envs = parse_pairs(env, "--env")
+    with control_plane() as cp:
+        with busy(f"starting {template}"):
+            created = cp.create_sandbox(template, timeout=timeout, metadata=meta, envs=envs)
+        sandbox_id = str(created["sandboxID"])
+        if detach:
+            print_ids([sandbox_id], created)
+            return
+        status = shell_session(cp, sandbox_id, kill_after=not keep, user=user, cwd=cwd)
+    if keep:
+        note(f"sandbox {sandbox_id} keeps running: `aenv connect {sandbox_id}`")
+    raise typer.Exit(status)
+
+
+def connect(
+    sandbox_id: SandboxId,
+    timeout: Annotated[
+        int | None,
+        typer.Option("--timeout", "-t", min=0, help="lifetime in seconds from now"),
+    ] = None,
+    user: UserOption = None,
+    cwd: Annotated[str | None, typer.Option("--cwd", help="shell's directory")] = None,
+    output: Output = None,
+) -> None:
+    """Attach a shell to a sandbox, resuming it if paused (alias: cn)."""
+    use_output(output)
+    with control_plane() as cp:
+        with busy(f"connecting to {sandbox_id}"):
+            _, resumed = cp.connect(sandbox_id, timeout)
+        if resumed:
+            note(f"resumed {sandbox_id}")
+        status = shell_session(cp, sandbox_id, kill_after=False, user=user, cwd=cwd)
+    raise typer.Exit(status)
+
+
+app.command("connect")(connect)
+app.command("cn", hidden=True)(connect)
+
+
+@app.command("exec")
+def exec_command(
+    sandbox_id: SandboxId,
+    command: Annotated[list[str], typer.Argument(metavar="CMD", help="command to run")],
+    cwd: Annotated[str | None, typer.Option("--cwd", help="working directory")] = None,
+    user: UserOption = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE, repeatable")
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", "-t", min=0, help="seconds; 0 for no limit")
+    ] = 0,
+    output: Output = None,
+) -> None:
+    """Run a command in a sandbox; exits with its exit code.
+
+    Its stdout and stderr stream here as they come. One argument is a shell command
+    line (`aenv exec ID -- 'ls | wc -l'`); several are an argument vector, quoted as
+    given (`aenv exec ID -- ls -la /tmp`)."""
+    from e2b import CommandExitException
+
+    use_output(output)
+    envs = parse_pairs(env, "--env")
+    line = command[0] if len(command) == 1 else shlex.join(command)
+
+    def to_stdout(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def to_stderr(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    with control_plane() as cp:
+        cp.connect(sandbox_id)
+        sandbox = cp.sandbox(sandbox_id)
+        try:
+            result = sandbox.commands.run(
+                line,
+                envs=envs,
+                user=user,
+                cwd=cwd,
+                on_stdout=to_stdout,
+                on_stderr=to_stderr,
+                timeout=timeout,
+                retain_output=False,
+            )
+            status = result.exit_code
+        except CommandExitException as exc:
+            status = exc.exit_code
+        except Exception as exc:
+            raise translate(exc, cp.server) from exc
+    raise typer.Exit(status)
+
+
+@app.command("ls")
+def list_sandboxes(
+    state: Annotated[
+        SandboxState | None, typer.Option("--state", case_sensitive=False, help="filter")
+    ] = None,
+    metadata: Annotated[
+        list[str] | None,
+        typer.Option("--metadata", "-m", help="KEY=VALUE filter, repeatable (all must match)"),
+    ] = None,
+    output: Output = None,
+) -> None:
+    """List sandboxes."""
+    fmt = use_output(output)
+    wanted = parse_pairs(metadata, "--metadata")
+    with control_plane() as cp:
+        items = cp.list_sandboxes(state=state.value if state else None, metadata=wanted)
+    if fmt is OutputFormat.JSON:
+        print_json(items)
+        return
+    if not items:
+        note("no sandboxes")
+        return
+    table(
+        ("ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEMORY", "PARENT", "METADATA"),
+        [
+            (
+                str(item["sandboxID"]),
+                str(item.get("templateID", "-")),
+                str(item.get("state", "-")),
+                ago(item.get("startedAt")),
+                until(item.get("endAt")),
+                str(item.get("cpuCount", "-")),
+                f"{item.get('memoryMB', '-')} MiB",
+                str((item.get("lineage") or {}).get("parentID") or "-"),
+                " ".join(f"{k}={v}" for k, v in (item.get("metadata") or {}).items()) or "-",
+            )
+            for item in items
+        ],
+    )
+
+
+@app.command()
+def pause(sandbox_id: SandboxId, output: Output = None) -> None:
+    """Pause a sandbox (memory and disk are kept; resume or connect wakes it)."""
+    use_output(output)
+    with control_plane() as cp, busy(f"pausing {sandbox_id}"):
+        cp.pause(sandbox_id)
+    print_ids([sandbox_id], {"sandboxID": sandbox_id, "state": "paused"})
+
+
+@app.command()
+def resume(
+    sandbox_id: SandboxId,
+    timeout: Annotated[
+        int | None, typer.Option("--timeout", "-t", min=0, help="lifetime in seconds from now")
+    ] = None,
+    output: Output = None,
+) -> None:
+    """Resume a paused sandbox (nothing to do when it is running)."""
+    use_output(output)
+    with control_plane() as cp, busy(f"resuming {sandbox_id}"):
+        sandbox, resumed = cp.connect(sandbox_id, timeout)
+    if not resumed and not json_requested():
+        note(f"{sandbox_id} was already running")
+    print_ids([sandbox_id], {**sandbox, "resumed": resumed})
+
+
+@app.command("timeout")
+def set_timeout(
+    sandbox_id: SandboxId,
+    seconds: Annotated[int, typer.Argument(min=0, help="seconds from now until it is killed")],
+    output: Output = None,
+) -> None:
+    """Set how long a sandbox lives from now on."""
+    use_output(output)
+    with control_plane() as cp:
+        cp.set_timeout(sandbox_id, seconds)
+    print_ids([sandbox_id], {"sandboxID": sandbox_id, "timeout": seconds})
+
+
+@app.command()
+def fork(
+    sandbox_id: SandboxId,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, max=20, help="children")] = 1,
+    timeout: Annotated[
+        int | None, typer.Option("--timeout", "-t", min=0, help="children's lifetime")
+    ] = None,
+    output: Output = None,
+) -> None:
+    """Fork a running sandbox into children; prints their ids.
+
+    The parent keeps running. Exits with 1 when any child failed to start."""
+    use_output(output)
+    with control_plane() as cp, busy(f"forking {sandbox_id} into {count}"):
+        results = cp.fork(sandbox_id, count, timeout)
+    children = [str(r["sandbox"]["sandboxID"]) for r in results if r.get("sandbox")]
+    failures = [r["error"] for r in results if r.get("error")]
+    print_ids(children, results)
+    if failures:
+        first = failures[0]
+        raise CliError(
+            f"{len(failures)} of {len(results)} children failed to start: "
+            f"{first.get('message', 'unknown error')}",
+            json_output=False,
+        )
+
+
+def remove(
+    sandbox_ids: Annotated[list[str], typer.Argument(metavar="ID", help="sandbox ids")],
+    output: Output = None,
+) -> None:
+    """Kill sandboxes (alias: delete)."""
+    use_output(output)
+    with control_plane() as cp:
+        remove_each(sandbox_ids, cp.kill)
+
+
+app.command("rm")(remove)
+app.command("delete", hidden=True)(remove)
+
+
+def remove_each(ids: Sequence[str], delete: Any) -> None:
+    """Delete each of ``ids``, printing those done; the failures are reported one line
+    each and the last one's exit code ends aenv."""
+    done: list[str] = []
+    failures: list[CliError] = []
+    for item in ids:
+        try:
+            delete(item)
+        except CliError as exc:
+            if exc.exit_code in (ExitCode.AUTH, ExitCode.UNREACHABLE):
+                raise  # the same for every id
+            failures.append(exc)
+        else:
+            done.append(item)
+    print_ids(done, {"removed": done, "failed": [f.message for f in failures]})
+    for failure in failures[:-1]:
+        note(failure.message)
+    if failures:
+        last = failures[-1]
+        raise CliError(last.message, last.exit_code, json_output=False)
+
+
+# -- snapshots -----------------------------------------------------------------------------
+@snapshot_app.command("create")
+def snapshot_create(
+    sandbox_id: SandboxId,
+    name: Annotated[str | None, typer.Option("--name", help="name to start sandboxes by")] = None,
+    output: Output = None,
+) -> None:
+    """Snapshot a running sandbox (it keeps running); prints the snapshot id."""
+    use_output(output)
+    with control_plane() as cp, busy(f"snapshotting {sandbox_id}"):
+        snapshot = cp.create_snapshot(sandbox_id, name)
+    print_ids([str(snapshot["snapshotID"])], snapshot)
+
+
+@snapshot_app.command("ls")
+def snapshot_ls(
+    sandbox_id: Annotated[
+        str | None, typer.Option("--sandbox", help="only this sandbox's snapshots")
+    ] = None,
+    output: Output = None,
+) -> None:
+    """List snapshots."""
+    fmt = use_output(output)
+    with control_plane() as cp:
+        items = cp.list_snapshots(sandbox_id)
+    if fmt is OutputFormat.JSON:
+        print_json(items)
+        return
+    if not items:
+        note("no snapshots")
+        return
+    table(
+        ("SNAPSHOT", "NAMES", "SANDBOX", "TEMPLATE", "CREATED"),
+        [
+            (
+                str(item["snapshotID"]),
+                ", ".join(item.get("names") or []) or "-",
+                str(item.get("sandboxID") or "-"),
+                str(item.get("templateID") or "-"),
+                ago(item.get("createdAt")),
+            )
+            for item in items
+        ],
+    )
+
+
+@snapshot_app.command("rm")
+def snapshot_rm(
+    snapshot_ids: Annotated[list[str], typer.Argument(metavar="SNAPSHOT", help="id or name")],
+    output: Output = None,
+) -> None:
+    """Delete snapshots (their files go once no sandbox uses them)."""
+    use_output(output)
+    with control_plane() as cp:
+        remove_each(snapshot_ids, cp.delete_snapshot)
+
+
+# -- files ---------------------------------------------------------------------------------
+@app.command()
+def upload(
+    sandbox_id: SandboxId,
+    local: Annotated[str, typer.Argument(help="local file, or - for stdin")],
+    remote: Annotated[str, typer.Argument(help="path in the sandbox (a directory: into it)")],
+    user: UserOption = None,
+    output: Output = None,
+) -> None:
+    """Copy a local file into a sandbox, streamed."""
+    from agentenv.cli.transfer import upload as upload_file
+
+    use_output(output)
+    with control_plane() as cp:
+        cp.connect(sandbox_id)
+        sandbox = cp.sandbox(sandbox_id)
+        try:
+            done = upload_file(sandbox, local, remote, user=user)
+        except CliError:
+            raise
+        except Exception as exc:
+            raise translate(exc, cp.server) from exc
+    report_transfer(done)
+
+
+@app.command()
+def download(
+    sandbox_id: SandboxId,
+    remote: Annotated[str, typer.Argument(help="file in the sandbox")],
+    local: Annotated[str, typer.Argument(help="local path (a directory: into it), - for stdout")],
+    user: UserOption = None,
+    output: Output = None,
+) -> None:
+    """Copy a file out of a sandbox, streamed."""
+    from agentenv.cli.transfer import download as download_file
+
+    use_output(output)
+    with control_plane() as cp:
+        cp.connect(sandbox_id)
+        sandbox = cp.sandbox(sandbox_id)
+        try:
+            done = download_file(sandbox, remote, local, user=user)
+        except CliError:
+            raise
+        except Exception as exc:
+            raise translate(exc, cp.server) from exc
+    report_transfer(done)
+
+
+def report_transfer(done: Transferred) -> None:
+    if json_requested() and done.destination != "-":
+        print_json({"source": done.source, "destination": done.destination, "size": done.size})
+    elif sys.stderr.isatty():
+        note(f"{human_bytes(done.size)} copied to {done.destination}")
+
+
+# -- entry point ---------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run aenv; its exit status. Errors are reported here, once, as one line."""
     try:
-        response = httpx.get(f"{_server()}/health", timeout=10)
-    except httpx.HTTPError as exc:
-        typer.echo(f"aenv: cannot reach {_server()}: {exc}", err=True)
-        raise typer.Exit(3) from exc
-    typer.echo(json.dumps(response.json(), indent=2))
+        result = app(
+            args=list(argv) if argv is not None else None,
+            prog_name="aenv",
+            standalone_mode=False,
+        )
+    except SystemExit as exc:  # shell completion exits on its own
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else ExitCode.ERROR)
+    except typer.TyperException as exc:
+        # Typer's own (vendored click) errors: usage problems exit with 2.
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            return ExitCode.USAGE  # the help text is already printed
+        ctx = getattr(exc, "ctx", None)
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        code = ExitCode.USAGE if exc.exit_code == ExitCode.USAGE else ExitCode.ERROR
+        report_error(CliError(f"{exc.format_message()}{where}", code))
+        return code
+    except typer.Abort:
+        report_error(CliError("aborted"))
+        return ExitCode.ERROR
+    except CliError as exc:
+        report_error(exc)
+        return exc.exit_code
+    except BrokenPipeError:
+        # The reader of our stdout went away (`aenv ls | head`): nothing left to say.
+        # Point fd 1 at /dev/null so the interpreter's final flush has nowhere to fail.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.ERROR
+    except Exception as exc:
+        error = translate(exc, _server_for_errors())
+        report_error(error)
+        return error.exit_code
+    # Without standalone mode, click hands back the exit code of a typer.Exit.
+    return result if isinstance(result, int) else ExitCode.OK
 
 
-def main() -> None:
-    app()
+def _server_for_errors() -> str:
+    try:
+        return settings_store.load().server
+    except CliError:
+        return settings_store.DEFAULT_SERVER
