@@ -8,7 +8,7 @@ import contextlib
 import os
 import shlex
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -38,6 +38,8 @@ from agentenv.cli.settings import Settings
 # that need them: it takes about half a second to import, which `aenv ls` and every shell
 # completion would otherwise pay.
 if TYPE_CHECKING:
+    from e2b import Sandbox
+
     from agentenv.cli.transfer import Transferred
 
 app = typer.Typer(
@@ -736,16 +738,7 @@ def upload(
     from agentenv.cli.transfer import upload as upload_file
 
     use_output(output)
-    with control_plane() as cp:
-        cp.connect(sandbox_id)
-        sandbox = cp.sandbox(sandbox_id)
-        try:
-            done = upload_file(sandbox, local, remote, user=user)
-        except CliError:
-            raise
-        except Exception as exc:
-            raise translate(exc, cp.server) from exc
-    report_transfer(done)
+    transfer(sandbox_id, lambda sandbox: upload_file(sandbox, local, remote, user=user))
 
 
 @app.command()
@@ -760,11 +753,16 @@ def download(
     from agentenv.cli.transfer import download as download_file
 
     use_output(output)
+    transfer(sandbox_id, lambda sandbox: download_file(sandbox, remote, local, user=user))
+
+
+def transfer(sandbox_id: str, move: Callable[[Sandbox], Transferred]) -> None:
+    """Run one upload or download against a connected (resumed if paused) sandbox."""
     with control_plane() as cp:
         cp.connect(sandbox_id)
         sandbox = cp.sandbox(sandbox_id)
         try:
-            done = download_file(sandbox, remote, local, user=user)
+            done = move(sandbox)
         except CliError:
             raise
         except Exception as exc:
