@@ -133,14 +133,18 @@ class ControlPlane:
             params["metadata"] = urllib.parse.urlencode(
                 {urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()}
             )
+        return self._all_pages("/v2/sandboxes", params)
+
+    def _all_pages(self, path: str, params: dict[str, str | int]) -> list[JsonObject]:
+        """Every item of a paged listing, following ``X-Next-Token``."""
         items: list[JsonObject] = []
         while True:
-            response = self.request("GET", "/v2/sandboxes", params=params)
+            response = self.request("GET", path, params=params)
             items.extend(self._json(response))
             next_token = response.headers.get("X-Next-Token")
             if not next_token:
                 return items
-            params["nextToken"] = next_token
+            params = {**params, "nextToken": next_token}
 
     def get_sandbox(self, sandbox_id: str) -> JsonObject:
         detail: JsonObject = self._json(self.request("GET", f"/sandboxes/{_seg(sandbox_id)}"))
@@ -195,14 +199,7 @@ class ControlPlane:
         params: dict[str, str | int] = {"limit": LIST_PAGE_SIZE}
         if sandbox_id:
             params["sandboxID"] = sandbox_id
-        items: list[JsonObject] = []
-        while True:
-            response = self.request("GET", "/snapshots", params=params)
-            items.extend(self._json(response))
-            next_token = response.headers.get("X-Next-Token")
-            if not next_token:
-                return items
-            params["nextToken"] = next_token
+        return self._all_pages("/snapshots", params)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/snapshots/{_seg(snapshot_id)}")
