@@ -1,0 +1,262 @@
+"""The durable snapshot repository: a catalog of records and names over an object store,
+plus the content-addressed blobs the records point at.
+
+Layout under the store's root::
+
+    catalog/<kind>/<id>.json      a record (any JSON object), replaced atomically
+    catalog/names/<name>.json     {"target": ..., "name": ...}: a name pointing at a target
+    blobs/<hex>.json, chunks/...  file blobs (see :mod:`agentenv.snapshots.blobs`)
+
+Records reference blobs through a top-level ``"blobs": {role: digest}`` mapping; that is
+what :meth:`Repository.collect_garbage` follows. Names are claimed with a create-only
+write, so of two nodes claiming one name exactly one wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from agentenv.snapshots import blobs
+from agentenv.snapshots.objects import ObjectNotFound, ObjectStore, RepositoryError
+
+log = logging.getLogger(__name__)
+
+_ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
+_KIND_RE = re.compile(r"[A-Za-z0-9_-]+")
+_NAMES = "names"
+_MAX_NAME = 200
+# Longer quoted names would overflow file name (255) and S3 key (1024) limits; they are
+# stored under their hash instead. quote() always escapes "+", so no quoted name can
+# look like a hashed one.
+_MAX_QUOTED = 200
+# Records fetched at once by list_records.
+_PARALLEL = 8
+
+
+def _check_id(record_id: str) -> None:
+    if not isinstance(record_id, str) or not _ID_RE.fullmatch(record_id):
+        raise ValueError(f"invalid record id {record_id!r} (allowed: A-Z a-z 0-9 . _ : -)")
+
+
+def _check_kind(kind: str) -> None:
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind) or kind == _NAMES:
+        raise ValueError(f"invalid record kind {kind!r}")
+
+
+def _name_key(name: str) -> str:
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > _MAX_NAME
+        or "\0" in name
+        or name.startswith("/")
+    ):
+        raise ValueError(f"invalid name {name!r} (1-{_MAX_NAME} characters, no NUL or leading /)")
+    quoted = quote(name, safe="")
+    if len(quoted) > _MAX_QUOTED:
+        quoted = "+" + hashlib.sha256(name.encode()).hexdigest()
+    return f"catalog/{_NAMES}/{quoted}.json"
+
+
+def _record_key(kind: str, record_id: str) -> str:
+    _check_kind(kind)
+    _check_id(record_id)
+    return f"catalog/{kind}/{record_id}.json"
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
+def _decode(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise RepositoryError(f"{where}: unreadable JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise RepositoryError(f"{where}: not a JSON object")
+    return doc
+
+
+def referenced_digests(record: dict[str, Any]) -> set[str]:
+    """The blob digests a record references (values of its top-level ``blobs`` map)."""
+    refs = record.get("blobs")
+    if not isinstance(refs, dict):
+        return set()
+    return {d for d in refs.values() if isinstance(d, str) and d.startswith("sha256:")}
+
+
+class Repository:
+    """Records, names and blobs in one object store."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # Records ----------------------------------------------------------------------
+
+    async def put_record(self, kind: str, record_id: str, record: dict[str, Any]) -> None:
+        await self.store.put_bytes(_record_key(kind, record_id), _encode(record))
+
+    async def get_record(self, kind: str, record_id: str) -> dict[str, Any] | None:
+        key = _record_key(kind, record_id)
+        try:
+            data = await self.store.get_bytes(key)
+        except ObjectNotFound:
+            return None
+        return _decode(data, f"{self.url}/{key}")
+
+    async def list_records(self, kind: str) -> list[dict[str, Any]]:
+        """Every record of ``kind``, in id order."""
+        _check_kind(kind)
+        return list((await self._records(f"catalog/{kind}/")).values())
+
+    async def _records(self, prefix: str) -> dict[str, dict[str, Any]]:
+        keys = [k for k in await self.store.list(prefix) if k.endswith(".json")]
+        slots = asyncio.Semaphore(_PARALLEL)
+
+        async def fetch(key: str) -> dict[str, Any] | None:
+            async with slots:
+                try:
+                    data = await self.store.get_bytes(key)
+                except ObjectNotFound:  # deleted since it was listed
+                    return None
+            return _decode(data, f"{self.url}/{key}")
+
+        docs = await asyncio.gather(*(fetch(k) for k in keys))
+        return {k: d for k, d in zip(keys, docs, strict=True) if d is not None}
+
+    async def delete_record(self, kind: str, record_id: str) -> None:
+        await self.store.delete(_record_key(kind, record_id))
+
+    # Names ------------------------------------------------------------------------
+
+    async def claim_name(self, name: str, target: str) -> bool:
+        """Point ``name`` at ``target`` unless it already exists. True if it was claimed
+        now or already points at ``target``."""
+        key = _name_key(name)
+        body = _encode({"target": target, "name": name})
+        for _ in range(3):
+            if await self.store.put_bytes_if_absent(key, body):
+                return True
+            current = await self.resolve_name(name)
+            if current is not None:
+                return current == target
+            # Dropped between our attempt and the read: try again.
+        return False
+
+    async def set_name(self, name: str, target: str) -> None:
+        await self.store.put_bytes(_name_key(name), _encode({"target": target, "name": name}))
+
+    async def resolve_name(self, name: str) -> str | None:
+        key = _name_key(name)
+        try:
+            data = await self.store.get_bytes(key)
+        except ObjectNotFound:
+            return None
+        target = _decode(data, f"{self.url}/{key}").get("target")
+        if not isinstance(target, str):
+            raise RepositoryError(f"{self.url}/{key}: name without a target")
+        return target
+
+    async def drop_name(self, name: str, expected_target: str | None = None) -> None:
+        """Delete ``name``; when ``expected_target`` is given, only if it still points
+        there. (Check and delete are two requests: a claim landing between them is lost.
+        Object stores offer no portable conditional delete.)"""
+        key = _name_key(name)
+        if expected_target is not None and await self.resolve_name(name) != expected_target:
+            return
+        await self.store.delete(key)
+
+    # Blobs ------------------------------------------------------------------------
+
+    async def push_file(self, path: Path, progress: blobs.Progress | None = None) -> str:
+        return await blobs.push_file(self.store, path, progress=progress)
+
+    async def pull_file(
+        self, digest: str, dest: Path, progress: blobs.Progress | None = None
+    ) -> None:
+        await blobs.pull_file(self.store, digest, dest, progress=progress)
+
+    async def blob_exists(self, digest: str) -> bool:
+        return await blobs.blob_exists(self.store, digest)
+
+    async def blob_size(self, digest: str) -> int:
+        return await blobs.blob_size(self.store, digest)
+
+    # Garbage collection -------------------------------------------------------------
+
+    async def _old_enough(self, key: str, grace_s: float) -> bool:
+        if grace_s <= 0:
+            return True
+        try:
+            age = await self.store.age(key)
+        except ObjectNotFound:
+            return False
+        # A store that cannot tell ages gets no grace.
+        return age is None or age >= grace_s
+
+    async def collect_garbage(self, *, grace_s: float = 3600) -> tuple[int, int]:
+        """Delete blob manifests no record references, then chunks no remaining manifest
+        lists; objects written less than ``grace_s`` ago are kept (a push in progress has
+        written chunks and maybe its manifest, but no record yet). Returns (blobs removed,
+        chunks removed).
+
+        Not safe against a concurrent push that reuses a chunk only an unreferenced blob
+        held: run it when no pushes are in progress."""
+        records = await self._records("catalog/")
+        referenced: set[str] = set()
+        for key, record in records.items():
+            if not key.startswith(f"catalog/{_NAMES}/"):
+                referenced |= referenced_digests(record)
+        live_hex = {blobs.parse_digest(d) for d in referenced if _is_digest(d)}
+
+        blobs_removed = 0
+        kept_manifests: list[str] = []
+        for key in await self.store.list("blobs/"):
+            hexdigest = key.removeprefix("blobs/").removesuffix(".json")
+            if hexdigest in live_hex or not await self._old_enough(key, grace_s):
+                kept_manifests.append(key)
+                continue
+            await self.store.delete(key)
+            blobs_removed += 1
+
+        live_chunks: set[str] = set()
+        for key in kept_manifests:
+            try:
+                data = await self.store.get_bytes(key)
+                live_chunks.update(blobs.manifest_chunks(data))
+            except ObjectNotFound:
+                continue
+            except RepositoryError as exc:
+                # Which chunks it needs is unknown: delete none rather than break it.
+                log.warning("%s: not collecting chunks: %s", self.url, exc)
+                return blobs_removed, 0
+
+        chunks_removed = 0
+        for key in await self.store.list("chunks/"):
+            if key.removeprefix("chunks/") in live_chunks:
+                continue
+            if not await self._old_enough(key, grace_s):
+                continue
+            await self.store.delete(key)
+            chunks_removed += 1
+        return blobs_removed, chunks_removed
+
+
+def _is_digest(digest: str) -> bool:
+    try:
+        blobs.parse_digest(digest)
+    except ValueError:
+        return False
+    return True
