@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import socket
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -42,7 +43,28 @@ _ENV_FIELDS: dict[str, str] = {
     "AENV_LOG_LEVEL": "log_level",
     "AENV_NETWORK_LINGER": "network_linger",
     "AENV_SANDBOX_MEMORY": "sandbox_memory",
+    "AENV_REPOSITORY": "repository",
+    "AENV_CACHE_SIZE": "cache_size",
+    "AENV_NODE_ID": "node_id",
+    "AENV_INSECURE_REGISTRIES": "insecure_registries",
 }
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional K/M/G/T suffix (powers of 1024;
+    ``KiB``, ``MB`` and ``B`` spellings accepted)."""
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1:] if value[-1:] in _SIZE_UNITS else ""
+    number = value[: len(value) - len(unit)].strip()
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"not a size: {text!r} (use e.g. 512M, 20G)") from None
+    if size <= 0:
+        raise ConfigError(f"size must be positive, got {text!r}")
+    return size
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,18 @@ class Config:
     # How long a template boot may take before we give up (TCG cold boots take seconds).
     template_boot_timeout: float = 120.0
     template_boot_attempts: int = 3
+    # The durable snapshot repository: file:///path (a directory, shared between nodes
+    # over a shared filesystem) or s3://bucket/prefix (endpoint and credentials from the
+    # usual AWS_* variables). Default: a directory under home.
+    repository: str | None = None
+    # Bytes this node may keep of what it fetched from the repository (K/M/G suffixes).
+    cache_size: str = "20G"
+    # This node's name in the repository (who holds a paused sandbox). Default: derived
+    # from the host name and data directory.
+    node_id: str | None = None
+    # Registries reached over plain HTTP / without TLS verification, comma-separated
+    # (localhost ones always are).
+    insecure_registries: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     # -- derived paths -------------------------------------------------------------------
@@ -112,6 +146,28 @@ class Config:
     def subnet_path(self) -> Path:
         """Where a server records the veth address range it chose at its first start."""
         return self.home / "subnet"
+
+    @property
+    def repository_url(self) -> str:
+        return self.repository or (self.home / "repository").resolve().as_uri()
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"
+
+    @property
+    def oci_cache(self) -> Path:
+        return self.home / "oci"
+
+    @property
+    def cache_bytes(self) -> int:
+        return parse_size(self.cache_size)
+
+    @property
+    def node_name(self) -> str:
+        if self.node_id:
+            return self.node_id
+        return f"{socket.gethostname()}-{self.instance_tag}"
 
     # -- loading -------------------------------------------------------------------------
     @classmethod
@@ -161,6 +217,11 @@ class Config:
             raise ConfigError("vcpus must be >= 1 and memory_mib >= 128")
         if not 0 < self.default_timeout <= self.max_timeout:
             raise ConfigError("default_timeout must be positive and at most max_timeout")
+        parse_size(self.cache_size)
+        if self.repository is not None and not self.repository.startswith(("file:///", "s3://")):
+            raise ConfigError(
+                f"repository must be file:///path or s3://bucket/prefix, got {self.repository!r}"
+            )
 
     def with_overrides(self, **changes: Any) -> Config:
         return replace(self, **changes)

@@ -143,8 +143,9 @@ def test_auth_stores_private_file_and_errors_are_one_line(
     assert_one_line_error(run(bare, "exec", "no-such-sandbox", "--", "true"), 4)
     assert_one_line_error(run(bare, "snapshot", "rm", "no-such-snapshot"), 4)
     assert_one_line_error(run(bare, "template", "rm", "base"), 6)
-    assert_one_line_error(run(bare, "pull", "python:3.12", "--name", "py"), 7)
-    assert_one_line_error(run(bare, "template", "build"), 7)
+    line = assert_one_line_error(run(bare, "pull", "registry.invalid/x:1", "--name", "bad"), 1)
+    assert "failed" in line and "registry.invalid" in line
+    assert_one_line_error(run(bare, "template", "build", "/no/Dockerfile", "--name", "x"), 4)
     assert_one_line_error(run(bare, "ls", "--state", "sleeping"), 2)
 
 

@@ -31,6 +31,7 @@ from agentenv.api.models import (
     Lifecycle,
     Lineage,
     NewSandbox,
+    NodeCacheInfo,
     PauseRequest,
     RefreshRequest,
     Sandbox,
@@ -40,9 +41,11 @@ from agentenv.api.models import (
     SnapshotRequest,
     TimeoutRequest,
 )
+from agentenv.api.templates import template_routes
 from agentenv.orchestrator.errors import (
     Conflict,
     OrchestratorError,
+    SandboxNotFound,
     SnapshotNotFound,
 )
 from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView, SnapshotView
@@ -134,6 +137,7 @@ def create_app(
             raise ApiError(401, "invalid API key")
 
     authed = [Depends(require_api_key)]
+    app.include_router(template_routes(orchestrator, api_key, authed))
 
     def sandbox_body(view: SandboxView) -> Sandbox:
         rec = view.record
@@ -168,6 +172,7 @@ def create_app(
                 if view.state == "paused"
                 else None
             ),
+            pauseCommitted=(orchestrator.pause_committed(rec) if view.state == "paused" else None),
             lineage=Lineage(
                 parentID=rec.parent_id,
                 sourceID=rec.template_id,
@@ -205,6 +210,13 @@ def create_app(
             templates=templates,
             sandboxes=len(orchestrator.list_sandboxes()),
             detail=orchestrator.templates.last_error,
+            node=orchestrator.catalog.node,
+            repository=orchestrator.catalog.url,
+            cache=NodeCacheInfo(
+                usedBytes=orchestrator.catalog.cache.used_bytes(),
+                limitBytes=orchestrator.catalog.cache.limit_bytes,
+                entries=len(orchestrator.catalog.cache.keys()),
+            ),
         )
 
     creates = IdempotentCreates()
@@ -377,7 +389,13 @@ def create_app(
         """200 with a running sandbox (its lifetime only extended); 201 when it was paused
         and has been resumed."""
         timeout = body.timeout if body and body.timeout is not None else None
-        if orchestrator.get(sandbox_id).state == "paused":
+        try:
+            current = orchestrator.get(sandbox_id)
+        except SandboxNotFound:
+            # Perhaps paused on another node that shares the repository.
+            response.status_code = 201
+            return sandbox_body(await orchestrator.adopt(sandbox_id, timeout))
+        if current.state == "paused":
             try:
                 view = await orchestrator.resume(sandbox_id, timeout)
             except Conflict:
@@ -460,7 +478,7 @@ def create_app(
         limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[SnapshotInfo]:
-        views = orchestrator.list_snapshots(sandbox_id)
+        views = await orchestrator.list_snapshots(sandbox_id)
         if name:
             views = [v for v in views if name in v.names]
         page = _page(views, _snapshot_page_key, next_token, limit, response)
@@ -474,13 +492,13 @@ def create_app(
         tags=["snapshots"],
     )
     async def get_snapshot(snapshot_id: str) -> SnapshotInfo:
-        return snapshot_body(orchestrator.get_snapshot(snapshot_id))
+        return snapshot_body(await orchestrator.get_snapshot(snapshot_id))
 
     @app.delete(
         "/snapshots/{snapshot_id:path}", status_code=204, dependencies=authed, tags=["snapshots"]
     )
     async def delete_snapshot(snapshot_id: str) -> Response:
-        orchestrator.delete_snapshot(snapshot_id)
+        await orchestrator.delete_snapshot(snapshot_id)
         return Response(status_code=204)
 
     @app.delete(
@@ -488,14 +506,15 @@ def create_app(
     )
     async def delete_template(template_id: str) -> Response:
         """The SDK deletes snapshots through this route (they are templates to E2B)."""
+        if template_id == BASE_TEMPLATE or orchestrator.store.get_template(template_id):
+            raise ApiError(409, f"template {template_id!r} is built in and cannot be deleted")
         try:
-            orchestrator.delete_snapshot(template_id)
+            await orchestrator.delete_snapshot(template_id, type_="template")
         except SnapshotNotFound:
-            if orchestrator.store.get_template(template_id) is None:
+            try:
+                await orchestrator.delete_snapshot(template_id)
+            except SnapshotNotFound:
                 raise ApiError(404, f"template or snapshot {template_id!r} not found") from None
-            raise ApiError(
-                409, f"template {template_id!r} is built in and cannot be deleted"
-            ) from None
         return Response(status_code=204)
 
     @app.post(

@@ -73,6 +73,9 @@ class SandboxDetail(BaseModel):
     domain: str | None = None
     lifecycle: Lifecycle | None = None
     pause_mode: Literal["full", "filesystem"] | None = Field(default=None, alias="pauseMode")
+    # agentenv: whether a paused sandbox is committed to the repository, so that a node
+    # sharing it can resume it (a pause is local first, uploaded in the background).
+    pause_committed: bool | None = Field(default=None, alias="pauseCommitted")
     lineage: Lineage | None = None
 
 
@@ -128,6 +131,16 @@ class PauseRequest(BaseModel):
     require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
 
 
+class NodeCacheInfo(BaseModel):
+    """What this node keeps of the repository's content, against its bound."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    used_bytes: int = Field(alias="usedBytes")
+    limit_bytes: int = Field(alias="limitBytes")
+    entries: int
+
+
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     version: str
@@ -136,6 +149,9 @@ class Health(BaseModel):
     templates: dict[str, str]
     sandboxes: int
     detail: str | None = None
+    node: str | None = None
+    repository: str | None = None
+    cache: NodeCacheInfo | None = None
 
 
 class SandboxMetric(BaseModel):
@@ -186,3 +202,102 @@ class ForkResult(BaseModel):
 
     sandbox: Sandbox | None = None
     error: ErrorBody | None = None
+
+
+# -- templates (E2B's build API) ------------------------------------------------------------
+class TemplateBuildRequest(BaseModel):
+    """``POST /v3/templates``."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    name: str | None = None
+    alias: str | None = None
+    tags: list[str] | None = None
+    cpu_count: int | None = Field(default=None, alias="cpuCount")
+    memory_mb: int | None = Field(default=None, alias="memoryMB")
+
+
+class TemplateRequestResponse(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    public: bool = False
+    names: list[str]
+    aliases: list[str]
+    tags: list[str] = Field(default_factory=list)
+
+
+class TemplateFileUpload(BaseModel):
+    present: bool
+    url: str | None = None
+
+
+class BuildLogEntry(BaseModel):
+    timestamp: datetime
+    level: Literal["debug", "info", "warn", "error"]
+    message: str
+    step: str | None = None
+
+
+class BuildStatusReason(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    message: str
+    step: str | None = None
+    log_entries: list[BuildLogEntry] | None = Field(default=None, alias="logEntries")
+
+
+class TemplateBuildInfo(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    status: Literal["waiting", "building", "ready", "error"]
+    logs: list[str] = Field(default_factory=list)
+    log_entries: list[BuildLogEntry] = Field(default_factory=list, alias="logEntries")
+    reason: BuildStatusReason | None = None
+
+
+class TemplateBuildSummary(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    build_id: str = Field(alias="buildID")
+    status: Literal["waiting", "building", "ready", "error"]
+    created_at: datetime = Field(alias="createdAt")
+    updated_at: datetime = Field(alias="updatedAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int | None = Field(default=None, alias="diskSizeMB")
+    envd_version: str | None = Field(default=None, alias="envdVersion")
+
+
+class TemplateInfo(BaseModel):
+    """An item of ``GET /v2/templates``; with ``builds`` for ``GET /templates/{id}``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    public: bool = False
+    aliases: list[str]
+    names: list[str]
+    created_at: datetime = Field(alias="createdAt")
+    updated_at: datetime = Field(alias="updatedAt")
+    created_by: None = Field(default=None, alias="createdBy")
+    last_spawned_at: datetime | None = Field(default=None, alias="lastSpawnedAt")
+    spawn_count: int = Field(default=0, alias="spawnCount")
+    build_count: int = Field(default=1, alias="buildCount")
+    envd_version: str = Field(alias="envdVersion")
+    build_status: Literal["waiting", "building", "ready", "error"] = Field(alias="buildStatus")
+    builds: list[TemplateBuildSummary] | None = None
+
+
+class TemplateAliasResponse(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    template_id: str = Field(alias="templateID")
+    public: bool = False

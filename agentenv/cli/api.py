@@ -204,6 +204,10 @@ class ControlPlane:
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.request("DELETE", f"/snapshots/{_seg(snapshot_id)}")
 
+    def list_templates(self) -> list[JsonObject]:
+        templates: list[JsonObject] = self._json(self.request("GET", "/v2/templates"))
+        return templates
+
     def delete_template(self, template_id: str) -> None:
         self.request("DELETE", f"/templates/{_seg(template_id)}", what="cannot delete")
 

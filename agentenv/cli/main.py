@@ -10,6 +10,7 @@ import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -144,13 +145,6 @@ def shell_session(
         if kill_after:
             with contextlib.suppress(CliError):
                 cp.kill(sandbox_id)
-
-
-def not_supported(what: str) -> CliError:
-    return CliError(
-        f"{what} is not supported yet: the server cannot build templates from images (issue #5)",
-        ExitCode.NOT_SUPPORTED,
-    )
 
 
 def _version(value: bool) -> None:
@@ -332,14 +326,28 @@ def health(output: Output = None) -> None:
 
 @template_app.command("ls")
 def template_ls(output: Output = None) -> None:
-    """List templates with their state, and the snapshots that serve as templates."""
+    """List templates (built in, built from images and Dockerfiles) with their state,
+    and the snapshots that serve as templates."""
     fmt = use_output(output)
     with control_plane() as cp:
-        templates = cp.health()["templates"]
+        health_templates = cp.health()["templates"]
+        built = cp.list_templates()
         snapshots = cp.list_snapshots()
     items: list[JsonObject] = [
+        {
+            "templateID": t["templateID"],
+            "kind": "template",
+            "state": t.get("buildStatus", "ready"),
+            "names": [n for n in t.get("names", []) if n != t["templateID"]],
+            "createdAt": t.get("createdAt"),
+        }
+        for t in built
+    ]
+    listed = {t["templateID"] for t in built}
+    items += [
         {"templateID": name, "kind": "template", "state": state, "names": []}
-        for name, state in templates.items()
+        for name, state in health_templates.items()
+        if name not in listed
     ]
     items += [
         {
@@ -382,24 +390,80 @@ def template_rm(
         remove_each(names, cp.delete_template)
 
 
-# Whatever a future `build`/`pull` will take is accepted now, so scripts written for it
-# get the "not supported yet" exit code (7) rather than a usage error (2).
-_ANY_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+def build_template(
+    cp: ControlPlane, template: Any, name: str, cpus: int | None, memory: int | None
+) -> JsonObject:
+    """Build ``template`` (an SDK ``Template``) on the server under ``name``, printing
+    its build log on stderr when that is a terminal; the template's ids."""
+    from e2b import Template
+    from e2b.exceptions import BuildException
+
+    show_logs = sys.stderr.isatty()
+
+    def on_log(entry: Any) -> None:
+        if show_logs:
+            print(f"{entry.level:>5} {entry.message}", file=sys.stderr)
+
+    try:
+        info = Template.build(
+            template,
+            name,
+            cpu_count=cpus or 2,
+            memory_mb=memory or 512,
+            on_build_logs=on_log,
+            **{k: v for k, v in cp.sdk_options().items() if k != "sandbox_url"},
+        )
+    except BuildException as exc:
+        raise CliError(f"build of {name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise translate(exc, cp.server) from exc
+    return {"templateID": info.template_id, "buildID": info.build_id, "name": name}
 
 
-@template_app.command("build", context_settings=_ANY_ARGS)
-def template_build() -> None:
-    """Build a template (not supported yet: exits with 7)."""
-    raise not_supported("`aenv template build`")
+Cpus = Annotated[int | None, typer.Option("--cpu", help="vCPUs of the template's sandboxes")]
+MemoryMB = Annotated[int | None, typer.Option("--memory", help="RAM in MiB of its sandboxes")]
 
 
-@app.command(context_settings=_ANY_ARGS)
-def pull(
-    image: Annotated[str, typer.Argument(help="container image, e.g. python:3.12")],
-    name: Annotated[str | None, typer.Option("--name", help="template name")] = None,
+@template_app.command("build")
+def template_build(
+    dockerfile: Annotated[Path, typer.Argument(help="Dockerfile (its directory is the context)")],
+    name: Annotated[str, typer.Option("--name", "-n", help="template name")],
+    cpu: Cpus = None,
+    memory: MemoryMB = None,
+    output: Output = None,
 ) -> None:
-    """Make a template from an image (not supported yet: exits with 7)."""
-    raise not_supported("`aenv pull`")
+    """Build a template from a Dockerfile: FROM, RUN, ENV, WORKDIR, USER, COPY, CMD."""
+    use_output(output)
+    from e2b import Template
+
+    if not dockerfile.is_file():
+        raise CliError(f"{dockerfile}: no such file", ExitCode.NOT_FOUND)
+    try:
+        template = Template(file_context_path=str(dockerfile.parent)).from_dockerfile(
+            str(dockerfile)
+        )
+    except Exception as exc:
+        raise CliError(f"{dockerfile}: {exc}", ExitCode.USAGE) from exc
+    with control_plane() as cp, busy(f"building {name}"):
+        result = build_template(cp, template, name, cpu, memory)
+    print_ids([result["templateID"]], result)
+
+
+@app.command()
+def pull(
+    image: Annotated[str, typer.Argument(help="OCI image, e.g. registry:5000/team/app:1")],
+    name: Annotated[str, typer.Option("--name", "-n", help="template name")],
+    cpu: Cpus = None,
+    memory: MemoryMB = None,
+    output: Output = None,
+) -> None:
+    """Make a template from an OCI image (pulled by the server, cached by digest)."""
+    use_output(output)
+    from e2b import Template
+
+    with control_plane() as cp, busy(f"pulling {image}"):
+        result = build_template(cp, Template().from_image(image), name, cpu, memory)
+    print_ids([result["templateID"]], result)
 
 
 # -- sandboxes -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from agentenv.guest.image import (
     GuestImage,
     build_guest_image,
     default_cache_dir,
+    find_guest_image,
     load_guest_image,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "HostToolMissing",
     "build_guest_image",
     "default_cache_dir",
+    "find_guest_image",
     "kernel_cmdline",
     "load_guest_image",
 ]

@@ -237,3 +237,16 @@ async def build_guest_image(cache_dir: Path, *, log: Callable[[str], None] = pri
     image = _image_from_manifest(manifest)
     log(f"guest image: {digest} ready in {time.monotonic() - started:.1f} s")
     return image
+
+
+def find_guest_image(cache_dir: Path, digest: str) -> GuestImage | None:
+    """The built image ``digest`` in ``cache_dir``, or None if this host does not have it
+    (complete)."""
+    path = cache_dir / IMAGES_DIR / digest / MANIFEST_FILE
+    try:
+        image = _image_from_manifest(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not all(p.is_file() for p in (image.kernel, image.initrd, image.rootfs, image.tools)):
+        return None
+    return image

@@ -1,4 +1,5 @@
-"""The orchestrator's side of envd's HTTP endpoints (``/health``, ``/init``)."""
+"""The orchestrator's side of envd: ``/health``, ``/init``, ``/files`` and running commands
+(waiting for them, or streaming their output for template build logs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 import struct
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 
@@ -141,3 +144,141 @@ async def metrics(
     if not isinstance(data, dict):
         raise EnvdUnreachable("envd /metrics did not return an object")
     return data
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int
+    error: str | None
+
+
+def _basic_user(user: str | None) -> dict[str, str]:
+    if not user:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+
+
+async def execute(
+    client: httpx.AsyncClient,
+    address: str,
+    command: str,
+    *,
+    user: str | None = None,
+    cwd: str | None = None,
+    envs: Mapping[str, str] | None = None,
+    on_output: Callable[[str, str], None] | None = None,
+    timeout: float = 3600.0,
+) -> CommandResult:
+    """Run ``command`` with ``bash -l -c`` as ``user`` and wait for its end, passing each
+    line of output to ``on_output(stream, line)``."""
+    process: dict[str, object] = {"cmd": "/bin/bash", "args": ["-l", "-c", command]}
+    if cwd:
+        process["cwd"] = cwd
+    if envs:
+        process["envs"] = dict(envs)
+    body = json.dumps({"process": process, "stdin": False}).encode()
+    headers = {
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+        **_basic_user(user),
+    }
+    pending = {"stdout": b"", "stderr": b""}
+
+    def emit(stream: str, data: bytes, final: bool = False) -> None:
+        buffered = pending[stream] + data
+        *lines, rest = buffered.split(b"\n")
+        if final and rest:
+            lines.append(rest)
+            rest = b""
+        pending[stream] = rest
+        if on_output is not None:
+            for line in lines:
+                on_output(stream, line.decode(errors="replace"))
+
+    end: dict[str, object] | None = None
+    try:
+        async with client.stream(
+            "POST",
+            envd_url(address, "/process.Process/Start"),
+            content=struct.pack(">BI", 0, len(body)) + body,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+        ) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise EnvdUnreachable(f"starting the command failed: {response.status_code} {text}")
+            buffer = b""
+            async for chunk in response.aiter_bytes():
+                buffer += chunk
+                while len(buffer) >= 5:
+                    flags, length = struct.unpack(">BI", buffer[:5])
+                    if len(buffer) < 5 + length:
+                        break
+                    frame, buffer = buffer[5 : 5 + length], buffer[5 + length :]
+                    message = json.loads(frame or b"{}")
+                    if flags & 0x02:
+                        if message.get("error"):
+                            raise EnvdUnreachable(f"command stream failed: {message['error']}")
+                        continue
+                    event = message.get("event", {})
+                    data = event.get("data")
+                    if data:
+                        for stream in ("stdout", "stderr"):
+                            if data.get(stream):
+                                emit(stream, base64.b64decode(data[stream]))
+                    if "end" in event:
+                        end = event["end"]
+    except httpx.HTTPError as exc:
+        raise EnvdUnreachable(f"running a command in the guest failed: {exc}") from exc
+    emit("stdout", b"", final=True)
+    emit("stderr", b"", final=True)
+    if end is None:
+        raise EnvdUnreachable("the command's output ended without an exit status")
+    error = end.get("error")
+    return CommandResult(int(str(end.get("exitCode", 0) or 0)), str(error) if error else None)
+
+
+async def configure(
+    client: httpx.AsyncClient,
+    address: str,
+    *,
+    env_vars: Mapping[str, str] | None = None,
+    user: str | None = None,
+    workdir: str | None = None,
+) -> None:
+    """Set envd's defaults (environment, user, working directory): what commands of
+    sandboxes restored from this guest's snapshot get."""
+    body: dict[str, object] = {}
+    if env_vars:
+        body["envVars"] = dict(env_vars)
+    if user:
+        body["defaultUser"] = user
+    if workdir:
+        body["defaultWorkdir"] = workdir
+    try:
+        response = await client.post(envd_url(address, "/init"), json=body, timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise EnvdUnreachable(f"envd /init failed: {exc}") from exc
+    if not response.is_success:
+        raise EnvdUnreachable(f"envd /init answered {response.status_code}: {response.text}")
+
+
+async def write_file(
+    client: httpx.AsyncClient, address: str, source: Path, guest_path: str
+) -> None:
+    """Upload a host file to ``guest_path`` (as root) through envd's ``/files``."""
+    # Build contexts are archives of source files: read whole, not streamed.
+    data = await asyncio.to_thread(source.read_bytes)
+    try:
+        response = await client.post(
+            envd_url(address, "/files"),
+            params={"path": guest_path, "username": "root"},
+            files={"file": (os.path.basename(guest_path), data)},
+            timeout=600.0,
+        )
+    except httpx.HTTPError as exc:
+        raise EnvdUnreachable(f"uploading {guest_path} failed: {exc}") from exc
+    if not response.is_success:
+        raise EnvdUnreachable(
+            f"uploading {guest_path} answered {response.status_code}: {response.text}"
+        )

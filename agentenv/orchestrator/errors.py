@@ -65,3 +65,19 @@ class SnapshotNotFound(OrchestratorError):
     def __init__(self, key: str) -> None:
         super().__init__(f"snapshot {key!r} not found")
         self.key = key
+
+
+class RepositoryUnavailable(OrchestratorError):
+    """The snapshot repository could not be read or written."""
+
+    status = 503
+
+
+class NodeCacheFull(OrchestratorError):
+    """What this node must fetch does not fit its cache: everything in it is in use."""
+
+    status = 507
+
+
+class BuildFailed(OrchestratorError):
+    status = 400

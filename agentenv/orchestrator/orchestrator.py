@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -41,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import httpx
 
@@ -49,19 +50,23 @@ from agentenv.config import Config
 from agentenv.network import NetworkManager, SandboxNetwork, pick_free_subnet
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
+from agentenv.orchestrator.builds import BuildManager
+from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import (
     CapacityExhausted,
     Conflict,
     GuestUnavailable,
     InvalidRequest,
+    NodeCacheFull,
     OperationFailed,
+    RepositoryUnavailable,
     SandboxNotFound,
     SandboxStartFailed,
     SnapshotNotFound,
     TemplateNotFound,
 )
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store, utcnow
-from agentenv.orchestrator.templates import TemplateManager
+from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_manifest
 from agentenv.storage.clone import clone_file, flush_file, make_durable, supports_reflink
 from agentenv.storage.images import DiskFormat, backing_chain, flatten, writable_disk
@@ -112,6 +117,17 @@ PUBLIC_STATE = {
     "resuming": "paused",
 }
 VISIBLE_STATES = tuple(PUBLIC_STATE)
+# Local snapshot kinds that are committed to the repository and start sandboxes.
+SHAREABLE_KINDS = ("snapshot", "template")
+# In a snapshot directory once its commit to the repository is complete.
+COMMITTED_MARKER = "committed"
+# In a paused sandbox's directory: the state of its upload to the repository.
+UPLOAD_MARKER = "upload.json"
+# A paused sandbox's files are copied (reflinked) here for the upload, so a resume does
+# not change them under it.
+FROZEN_DIR = "frozen"
+HANDOFF_CHECK_INTERVAL_S = 5.0
+COMMIT_RETRY_S = 10.0
 # States a VMM process exists in (re-adopted after a restart).
 _VM_STATES = ("running", "pausing", "snapshotting", "forking")
 
@@ -133,6 +149,10 @@ class _PhaseTimer:
         total = (self._last - self._start) * 1000
         parts = ", ".join(f"{k} {v * 1000:.0f}" for k, v in self.phases.items())
         return f"{total:.0f} ms ({parts})"
+
+
+def _committed(snapshot_dir: Path) -> bool:
+    return (snapshot_dir / COMMITTED_MARKER).exists()
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -217,6 +237,41 @@ class SnapshotView:
         return [self.record.name] if self.record.name else []
 
 
+def _record_from_repository(record: dict[str, Any]) -> SnapshotRecord:
+    """A committed snapshot as the local record type (for views; it has no directory
+    here)."""
+    names = record.get("names") or []
+    return SnapshotRecord(
+        snapshot_id=record["id"],
+        name=names[0] if names else None,
+        kind=record.get("type", "snapshot"),
+        state="ready",
+        sandbox_id=record.get("sandbox_id", ""),
+        template_id=record.get("template_id", ""),
+        parent_id=record.get("parent_id"),
+        snapshot_dir=Path(),
+        metadata=dict(record.get("metadata") or {}),
+        created_at=datetime.fromisoformat(record["created_at"]),
+    )
+
+
+def _generation(workdir: Path) -> int:
+    """How many times this sandbox was committed paused (0: never)."""
+    try:
+        return int((workdir / "generation").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _upload_state(workdir: Path) -> dict[str, Any] | None:
+    try:
+        return cast(
+            "dict[str, Any]", json.loads((workdir / PAUSED_DIR / UPLOAD_MARKER).read_text())
+        )
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class _Source:
     """What a new sandbox starts from: a template build, a snapshot or a fork image."""
@@ -288,6 +343,12 @@ class Orchestrator:
         self._flusher: asyncio.Task[None] | None = None
         self._base_build: asyncio.Task[object] | None = None
         self._started = False
+        self.catalog = Catalog(config, self._pinned_keys)
+        self.builds = BuildManager(self)
+        # Background commits to the repository: snapshot id -> task, sandbox id -> task.
+        self._commits: dict[str, asyncio.Task[None]] = {}
+        self._uploads: dict[str, asyncio.Task[None]] = {}
+        self._handoffs_checked = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     async def startup(self, *, build_base: bool = True) -> None:
@@ -312,8 +373,10 @@ class Orchestrator:
             else "a private mapping of the template's (pause streams RAM)",
         )
         self.store.open()
+        self.catalog.startup()
         self.templates.cleanup_staging()
         await self._recover()
+        self._resume_commits()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
         self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
         if build_base:
@@ -323,7 +386,14 @@ class Orchestrator:
     async def shutdown(self, *, kill_sandboxes: bool = False) -> None:
         """Stop background work. Sandboxes keep running (their VMMs live in their own
         sessions) and are re-adopted by the next start, unless ``kill_sandboxes``."""
-        for task in (self._reaper, self._flusher, self._base_build):
+        await self.builds.shutdown()
+        for task in (
+            self._reaper,
+            self._flusher,
+            self._base_build,
+            *self._commits.values(),
+            *self._uploads.values(),
+        ):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -570,22 +640,54 @@ class Orchestrator:
             raise InvalidRequest(f"timeout must be at most {self.config.max_timeout} seconds")
 
     async def _resolve_source(self, template_id: str) -> _Source:
-        """A template id (or alias), or a snapshot id or name: all start sandboxes."""
-        snap_rec = self.store.get_snapshot(template_id)
-        if snap_rec is not None and snap_rec.kind == "snapshot" and snap_rec.state == "ready":
-            try:
-                snapshot = MachineSnapshot.load(snap_rec.snapshot_dir)
-            except SnapshotError as exc:
-                raise SandboxStartFailed(f"snapshot {template_id}: {exc}") from exc
-            key = snap_rec.snapshot_id
-            return _Source(key, key, snapshot, key)
-        try:
+        """A template id or name, or a snapshot id or name: all start sandboxes. The
+        built-in ``base`` is built on each node; everything else is the repository's
+        (which is authoritative: a snapshot deleted on another node is gone here too),
+        from this node's own copy when it has one, else fetched into the node cache."""
+        if template_id == BASE_TEMPLATE:
             template = await self.templates.get(template_id)
-        except TemplateNotFound:
-            raise TemplateNotFound(template_id) from None
-        return _Source(
-            template.record.template_id, template.record.build_id, template.snapshot, None
+            return _Source(
+                template.record.template_id, template.record.build_id, template.snapshot, None
+            )
+        local = self.store.get_snapshot(template_id)
+        if local is not None and (local.kind not in SHAREABLE_KINDS or local.state != "ready"):
+            local = None
+        if local is not None and not _committed(local.snapshot_dir):
+            # Not in the repository yet (its commit is under way): this node's copy.
+            return self._local_source(local)
+        try:
+            record = await self.catalog.lookup(template_id)
+        except RepositoryUnavailable as exc:
+            if local is None:
+                raise
+            log.warning("using local copy of %s: %s", template_id, exc)
+            return self._local_source(local)
+        if record is None:
+            if local is not None:
+                # Deleted from the repository by another node: forget it here too.
+                self.store.update_snapshot(local.snapshot_id, state="deleted", name=None)
+                self.collect_snapshots()
+            if self.store.get_template(template_id) is not None:
+                template = await self.templates.get(template_id)
+                return _Source(
+                    template.record.template_id, template.record.build_id, template.snapshot, None
+                )
+            raise TemplateNotFound(template_id)
+        if local is not None and local.snapshot_id == record["id"]:
+            return self._local_source(local)
+        snapshot = await self.catalog.fetch(
+            record, lambda line: log.info("fetching %s: %s", record["id"], line)
         )
+        key = record["id"]
+        return _Source(key, key, snapshot, key)
+
+    def _local_source(self, rec: SnapshotRecord) -> _Source:
+        try:
+            snapshot = MachineSnapshot.load(rec.snapshot_dir)
+        except SnapshotError as exc:
+            raise SandboxStartFailed(f"snapshot {rec.snapshot_id}: {exc}") from exc
+        key = rec.snapshot_id
+        return _Source(key, key, snapshot, key)
 
     async def create(
         self,
@@ -610,6 +712,23 @@ class Orchestrator:
             auto_pause=auto_pause,
             auto_resume=auto_resume,
         )
+        return await self._start(source, identity, timeout, private_memory=False)
+
+    async def create_from_machine(
+        self, snapshot: MachineSnapshot, template_id: str, *, timeout: int, metadata: dict[str, str]
+    ) -> SandboxView:
+        """A sandbox restored from a machine snapshot that is not a template (a guest
+        booted from an OCI image, which template builds start from)."""
+        identity = _Identity(
+            metadata=metadata,
+            env_vars={},
+            secure=False,
+            # Build steps install packages.
+            allow_internet=True,
+            auto_pause=False,
+            auto_resume=False,
+        )
+        source = _Source(template_id, template_id, snapshot, None)
         return await self._start(source, identity, timeout, private_memory=False)
 
     async def _start(
@@ -791,11 +910,14 @@ class Orchestrator:
         self._vms.pop(sandbox_id, None)
         await vm.kill()
         phases.mark("vm")
+        self._prepare_upload(rec, files)
         # The pause is complete once saved and the VMM is gone; the network namespace
         # follows a little later unless a resume takes it back first.
         self._release_network_later(rec)
         self.store.update_sandbox(sandbox_id, state="paused", pause_mode="full")
         rec.state = "paused"
+        if _upload_state(rec.workdir) is not None:
+            self._start_upload(sandbox_id)
         log.info("sandbox %s paused in %s", sandbox_id, phases)
         return self._view(rec)
 
@@ -890,6 +1012,17 @@ class Orchestrator:
         if rec.state != "paused":
             raise Conflict(f"sandbox {sandbox_id} is not paused")
         phases = _PhaseTimer()
+        await self._stop_upload(sandbox_id)
+        marker = _upload_state(rec.workdir)
+        if marker is not None and marker.get("state") == "committed":
+            # Committed: another node may have resumed it. Whoever claims this
+            # generation first holds it.
+            if not await self.catalog.claim(sandbox_id, int(marker["generation"])):
+                holder = await self.catalog.holder(sandbox_id, int(marker["generation"]))
+                self._forget_network(rec)
+                await self._discard(rec)
+                raise Conflict(f"sandbox {sandbox_id} was resumed on node {holder}")
+            phases.mark("claim")
         snap = self._source_snapshot(rec)
         disk, disk_format = self._current_disk(rec)
         # None for a filesystem-only pause: the guest boots from its disk.
@@ -947,6 +1080,23 @@ class Orchestrator:
         log.info("sandbox %s resumed in %s", sandbox_id, phases)
         return self._view(rec)
 
+    async def _forget_in_repository(self, rec: SandboxRecord) -> None:
+        """A killed sandbox that was ever committed paused must not be resumable from
+        the repository; unless another node holds it now."""
+        generation = _generation(rec.workdir)
+        if generation == 0:
+            return
+        try:
+            marker = _upload_state(rec.workdir)
+            if rec.state == "paused" and marker is not None and marker.get("state") == "committed":
+                if not await self.catalog.claim(rec.sandbox_id, generation):
+                    return
+            await self.catalog.drop_paused(rec.sandbox_id)
+        except RepositoryUnavailable as exc:
+            log.warning(
+                "sandbox %s: removing it from the repository failed: %s", rec.sandbox_id, exc
+            )
+
     def _settle(self, rec: SandboxRecord, guest_address: str) -> None:
         """Re-initialise envd after a restore (clock, entropy reseed, token), in the
         background; :meth:`ready_for_traffic` waits for it."""
@@ -998,24 +1148,56 @@ class Orchestrator:
 
     # -- snapshots and forks ---------------------------------------------------------------
     async def snapshot(
-        self, sandbox_id: str, name: str | None = None, *, metadata: dict[str, str] | None = None
+        self,
+        sandbox_id: str,
+        name: str | None = None,
+        *,
+        metadata: dict[str, str] | None = None,
+        kind: Literal["snapshot", "template"] = "snapshot",
+        replace_name: bool = False,
+        wait_commit: bool = False,
+        snapshot_id: str | None = None,
     ) -> SnapshotView:
         """Capture a running sandbox, which keeps running, as a snapshot that starts new
-        sandboxes (by id or name, wherever a template is accepted)."""
-        if name is not None:
+        sandboxes (by id or name, wherever a template is accepted). It is usable on this
+        node at once and committed to the repository in the background (``wait_commit``:
+        before returning). ``replace_name`` moves an existing name to the new snapshot
+        (a template rebuilt under its name)."""
+        if name is not None and not replace_name:
             existing = self.store.get_snapshot(name)
             if existing is not None and existing.state == "ready":
                 raise Conflict(f"a snapshot named {name!r} already exists")
+            if await self.catalog.name_holder(name) is not None:
+                raise Conflict(f"a snapshot or template named {name!r} already exists")
 
         async def work() -> SnapshotView:
             rec = self._existing(sandbox_id)
-            snap_rec = await self._capture(rec, "snapshot", name, metadata or {})
+            if name is not None and replace_name:
+                existing = self.store.get_snapshot(name)
+                if existing is not None and existing.name == name:
+                    self.store.update_snapshot(existing.snapshot_id, name=None)
+            snap_rec = await self._capture(rec, kind, name, metadata or {}, snapshot_id)
             return SnapshotView(snap_rec)
 
-        return await self._exclusive(sandbox_id, "snapshot", work, join=False)
+        view = await self._exclusive(sandbox_id, "snapshot", work, join=False)
+        if wait_commit:
+            try:
+                await self._commit_snapshot(view.snapshot_id)
+            except BaseException:
+                self.store.update_snapshot(view.snapshot_id, state="deleted", name=None)
+                self.collect_snapshots()
+                raise
+        else:
+            self._start_commit(view.snapshot_id)
+        return view
 
     async def _capture(
-        self, rec: SandboxRecord, kind: str, name: str | None, metadata: dict[str, str]
+        self,
+        rec: SandboxRecord,
+        kind: str,
+        name: str | None,
+        metadata: dict[str, str],
+        snapshot_id: str | None = None,
     ) -> SnapshotRecord:
         """Freeze a running sandbox into a new snapshot directory: device state, RAM
         (a reflink of its RAM file, sharing unchanged extents) and its disk's current top
@@ -1024,7 +1206,7 @@ class Orchestrator:
         vm = self._running_vm(rec)
         phases = _PhaseTimer()
         source = self._source_snapshot(rec)
-        snapshot_id = new_snapshot_id()
+        snapshot_id = snapshot_id or new_snapshot_id()
         directory = self.config.snapshots_dir / snapshot_id
         try:
             directory.mkdir()
@@ -1046,7 +1228,7 @@ class Orchestrator:
             created_at=utcnow(),
         )
         self.store.insert_snapshot(snap_rec)
-        state = "snapshotting" if kind == "snapshot" else "forking"
+        state = "forking" if kind == "fork" else "snapshotting"
         self.store.update_sandbox(rec.sandbox_id, state=state)
         shared = rec.memory_mode == "shared"
         sealed = False
@@ -1152,28 +1334,165 @@ class Orchestrator:
         except OSError as exc:  # deleted meanwhile, or a failing disk
             log.warning("writing snapshot files to stable storage failed: %s", exc)
 
-    def get_snapshot(self, key: str) -> SnapshotView:
-        rec = self.store.get_snapshot(key)
-        if rec is None or rec.kind != "snapshot" or rec.state != "ready":
+    async def get_snapshot(self, key: str, type_: str = "snapshot") -> SnapshotView:
+        local = self.store.get_snapshot(key)
+        if local is not None and (local.kind != type_ or local.state != "ready"):
+            local = None
+        if local is not None and not _committed(local.snapshot_dir):
+            return SnapshotView(local)
+        try:
+            record = await self.catalog.lookup(key)
+        except RepositoryUnavailable:
+            if local is None:
+                raise
+            return SnapshotView(local)
+        if record is None or record.get("type") != type_:
             raise SnapshotNotFound(key)
-        return SnapshotView(rec)
+        return SnapshotView(_record_from_repository(record))
 
-    def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotView]:
-        return [
-            SnapshotView(r)
-            for r in self.store.list_snapshots()
-            if r.kind == "snapshot"
-            and r.state == "ready"
-            and (sandbox_id is None or r.sandbox_id == sandbox_id)
-        ]
+    async def list_snapshots(
+        self, sandbox_id: str | None = None, type_: str = "snapshot"
+    ) -> list[SnapshotView]:
+        """Committed snapshots (every node's), plus this node's still being committed."""
+        views: dict[str, SnapshotView] = {}
+        repository_ok = True
+        try:
+            for record in await self.catalog.list_records(type_):
+                views[record["id"]] = SnapshotView(_record_from_repository(record))
+        except RepositoryUnavailable as exc:
+            log.warning("listing snapshots from this node only: %s", exc)
+            repository_ok = False
+        for rec in self.store.list_snapshots():
+            if rec.kind != type_ or rec.state != "ready" or rec.snapshot_id in views:
+                continue
+            if repository_ok and _committed(rec.snapshot_dir):
+                continue  # deleted from the repository by another node
+            views[rec.snapshot_id] = SnapshotView(rec)
+        out = [v for v in views.values() if sandbox_id is None or v.record.sandbox_id == sandbox_id]
+        out.sort(key=lambda v: (v.record.created_at, v.snapshot_id))
+        return out
 
-    def delete_snapshot(self, key: str) -> None:
-        """Forget a snapshot; its files go once no sandbox or snapshot depends on them."""
-        rec = self.store.get_snapshot(key)
-        if rec is None or rec.kind != "snapshot" or rec.state != "ready":
+    async def delete_snapshot(self, key: str, type_: str = "snapshot") -> None:
+        """Forget a snapshot (or template) everywhere: its repository record and names
+        go at once, this node's files once no sandbox or snapshot depends on them."""
+        local = self.store.get_snapshot(key)
+        if local is not None and (local.kind != type_ or local.state != "ready"):
+            local = None
+        if local is not None:
+            commit = self._commits.pop(local.snapshot_id, None)
+            if commit is not None:
+                commit.cancel()
+                with contextlib.suppress(BaseException):
+                    await commit
+        record = await self.catalog.lookup(key)
+        if record is not None and record.get("type") != type_:
+            record = None
+        if record is None and local is None:
             raise SnapshotNotFound(key)
-        self.store.update_snapshot(rec.snapshot_id, state="deleted", name=None)
-        self.collect_snapshots()
+        if record is not None:
+            await self.catalog.delete(record)
+        local = local or self.store.get_snapshot(record["id"] if record else key)
+        if local is not None and local.state == "ready":
+            self.store.update_snapshot(local.snapshot_id, state="deleted", name=None)
+            self.collect_snapshots()
+
+    # -- the repository ----------------------------------------------------------------
+    def _start_commit(self, snapshot_id: str) -> asyncio.Task[None]:
+        task = self._commits.get(snapshot_id)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._commit_until_done(snapshot_id))
+            self._commits[snapshot_id] = task
+
+            def forget(done: asyncio.Task[None]) -> None:
+                if self._commits.get(snapshot_id) is done:
+                    del self._commits[snapshot_id]
+
+            task.add_done_callback(forget)
+        return task
+
+    async def _commit_until_done(self, snapshot_id: str) -> None:
+        """Commit a local snapshot, retrying while the repository is unreachable: it
+        stays usable on this node meanwhile, and nothing is lost."""
+        while True:
+            try:
+                await self._commit_snapshot(snapshot_id)
+                return
+            except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
+                log.warning(
+                    "committing %s failed (%s); retrying in %.0fs", snapshot_id, exc, COMMIT_RETRY_S
+                )
+                await asyncio.sleep(COMMIT_RETRY_S)
+
+    async def _commit_snapshot(self, snapshot_id: str) -> None:
+        rec = self.store.get_snapshot(snapshot_id)
+        if rec is None or rec.state != "ready" or _committed(rec.snapshot_dir):
+            return
+        started = time.perf_counter()
+        log.info("committing %s %s to %s", rec.kind, snapshot_id, self.catalog.url)
+        snap = MachineSnapshot.load(rec.snapshot_dir)
+        published = await self.catalog.publish(snap)
+        names = [rec.name] if rec.name else []
+        record: dict[str, object] = {
+            "id": rec.snapshot_id,
+            "type": rec.kind,
+            "names": names,
+            "sandbox_id": rec.sandbox_id,
+            "template_id": rec.template_id,
+            "parent_id": rec.parent_id,
+            "metadata": rec.metadata,
+            "created_at": rec.created_at.isoformat(),
+            "node": self.catalog.node,
+            "vcpus": snap.vcpus,
+            "memory_mib": snap.memory_mib,
+            "disk_size_mib": snap.disk_size_mib,
+            "envd_version": snap.envd_version,
+            "manifest": published.manifest,
+            "blobs": published.blobs,
+        }
+        await self.catalog.commit(record, names, replace_names=rec.kind == "template")
+        _write_atomically(rec.snapshot_dir / COMMITTED_MARKER, "")
+        log.info(
+            "%s %s committed to %s in %.0f ms",
+            rec.kind,
+            snapshot_id,
+            self.catalog.url,
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def _resume_commits(self) -> None:
+        """Commits and uploads a previous run left unfinished start again."""
+        for rec in self.store.list_snapshots():
+            if rec.kind in SHAREABLE_KINDS and rec.state == "ready":
+                if not _committed(rec.snapshot_dir):
+                    self._start_commit(rec.snapshot_id)
+        for sandbox in self.store.list_sandboxes():
+            if sandbox.state == "paused" and sandbox.pause_mode != "filesystem":
+                marker = _upload_state(sandbox.workdir)
+                if marker is not None and marker.get("state") != "committed":
+                    self._start_upload(sandbox.sandbox_id)
+
+    def _pinned_keys(self) -> set[str]:
+        """Node-cache entries that sandboxes of this node use (their disk chains and the
+        snapshots they started from): never evicted."""
+        used: set[Path] = set()
+        for sandbox in self.store.list_sandboxes():
+            if sandbox.source_dir is not None:
+                used.add(sandbox.source_dir)
+                with contextlib.suppress(SnapshotError):
+                    source = MachineSnapshot.load(sandbox.source_dir)
+                    used.update(source.required_files())
+                    used.update(backing_chain(source.disk))
+            if sandbox.disk_path is not None:
+                used.update(backing_chain(sandbox.disk_path))
+        for snap in self.store.list_snapshots():
+            if snap.state in ("ready", "pending"):
+                used.update(backing_chain(snap.snapshot_dir / "disk.qcow2"))
+        pinned = set()
+        for key in self.catalog.cache.keys():
+            path = self.catalog.cache.peek(key)
+            if path is not None and (path in used or any(p.is_relative_to(path) for p in used)):
+                pinned.add(key)
+        return pinned
 
     def collect_snapshots(self) -> list[str]:
         """Remove hidden snapshots (deleted ones, fork images) whose files nothing uses:
@@ -1274,6 +1593,8 @@ class Orchestrator:
     async def _kill_locked(self, sandbox_id: str) -> None:
         rec = self._existing(sandbox_id)
         phases = _PhaseTimer()
+        await self._stop_upload(sandbox_id)
+        await self._forget_in_repository(rec)
         self._forget_network(rec)
         self.store.update_sandbox(sandbox_id, state="killing")
         vm = self._vms.pop(sandbox_id, None)
@@ -1342,5 +1663,241 @@ class Orchestrator:
             await asyncio.sleep(interval)
             try:
                 await self.reap_expired()
+                if time.monotonic() - self._handoffs_checked >= HANDOFF_CHECK_INTERVAL_S:
+                    self._handoffs_checked = time.monotonic()
+                    await self._check_handoffs()
             except Exception:
                 log.exception("reaper failed")
+
+    # -- paused sandboxes in the repository ------------------------------------------------
+    def _prepare_upload(self, rec: SandboxRecord, files: SnapshotFiles) -> None:
+        """Start a paused sandbox's next generation in the repository (uploaded in the
+        background)."""
+        if self.driver.name != "qemu" or rec.disk_path is None:
+            return  # Firecracker's pause files are not published yet
+        generation = _generation(rec.workdir) + 1
+        _write_atomically(rec.workdir / "generation", str(generation))
+        _write_atomically(
+            rec.workdir / PAUSED_DIR / UPLOAD_MARKER,
+            json.dumps({"state": "uploading", "generation": generation}),
+        )
+
+    async def _freeze(self, sandbox_id: str) -> bool:
+        """Copy (reflink) what a paused sandbox is made of, under its lock, so that its
+        upload reads files a resume cannot change. False if it is no longer paused."""
+        async with self._lock(sandbox_id):
+            rec = self.store.get_sandbox(sandbox_id)
+            if rec is None or rec.state != "paused" or rec.disk_path is None:
+                return False
+            paused = rec.workdir / PAUSED_DIR
+            dest = paused / FROZEN_DIR
+            if (dest / "complete").exists():
+                return True
+            files = SnapshotFiles.from_json((paused / PAUSED_MANIFEST).read_text())
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            await clone_file(rec.disk_path, dest / "disk.qcow2", mode=0o400)
+            if files.memory_file is not None:
+                await clone_file(files.memory_file, dest / MEMORY_FILE, mode=0o400)
+            _write_atomically(dest / "complete", "")
+            return True
+
+    def _start_upload(self, sandbox_id: str) -> None:
+        task = self._uploads.get(sandbox_id)
+        if task is not None and not task.done():
+            return
+        task = asyncio.get_running_loop().create_task(self._upload_until_done(sandbox_id))
+        self._uploads[sandbox_id] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._uploads.get(sandbox_id) is done:
+                del self._uploads[sandbox_id]
+
+        task.add_done_callback(forget)
+
+    async def _stop_upload(self, sandbox_id: str) -> None:
+        task = self._uploads.pop(sandbox_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _upload_until_done(self, sandbox_id: str) -> None:
+        """Commit a paused sandbox to the repository, retrying while it is unreachable:
+        it stays paused (and resumable) on this node meanwhile."""
+        while True:
+            try:
+                await self._upload_paused(sandbox_id)
+                return
+            except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
+                log.warning(
+                    "uploading paused %s failed (%s); retrying in %.0fs",
+                    sandbox_id,
+                    exc,
+                    COMMIT_RETRY_S,
+                )
+                await asyncio.sleep(COMMIT_RETRY_S)
+
+    async def _upload_paused(self, sandbox_id: str) -> None:
+        rec = self.store.get_sandbox(sandbox_id)
+        if rec is None or rec.state != "paused" or rec.pause_mode == "filesystem":
+            return
+        marker = _upload_state(rec.workdir)
+        if marker is None or marker.get("state") == "committed":
+            return
+        started = time.perf_counter()
+        if not await self._freeze(sandbox_id):
+            return
+        generation = int(marker["generation"])
+        paused = rec.workdir / PAUSED_DIR
+        files = SnapshotFiles.from_json((paused / PAUSED_MANIFEST).read_text())
+        frozen = paused / FROZEN_DIR
+        source = replace(self._source_snapshot(rec), files=files)
+        published = await self.catalog.publish(
+            source,
+            state_file=files.state_file,
+            memory_file=frozen / MEMORY_FILE if files.memory_file is not None else None,
+            disk=frozen / "disk.qcow2",
+        )
+        holder = await self.catalog.holder(sandbox_id, generation)
+        if holder not in (None, self.catalog.node):
+            return  # taken meanwhile by a node that had an earlier upload of it
+        record: dict[str, object] = {
+            "sandbox_id": sandbox_id,
+            "generation": generation,
+            "node": self.catalog.node,
+            "template_id": rec.template_id,
+            "template_build_id": rec.template_build_id,
+            "snapshot_id": rec.snapshot_id,
+            "parent_id": rec.parent_id,
+            "metadata": rec.metadata,
+            "env_vars": rec.env_vars,
+            "envd_token": rec.envd_token,
+            "auto_pause": rec.auto_pause,
+            "auto_resume": rec.auto_resume,
+            "allow_internet": rec.allow_internet,
+            "envd_version": rec.envd_version,
+            "started_at": rec.started_at.isoformat(),
+            "end_at": rec.end_at.isoformat(),
+            "paused_at": utcnow().isoformat(),
+            "manifest": published.manifest,
+            "blobs": published.blobs,
+        }
+        await self.catalog.put_paused(sandbox_id, record)
+        _write_atomically(
+            paused / UPLOAD_MARKER, json.dumps({"state": "committed", "generation": generation})
+        )
+        shutil.rmtree(frozen, ignore_errors=True)
+        log.info(
+            "paused sandbox %s (generation %d) committed to %s in %.0f ms",
+            sandbox_id,
+            generation,
+            self.catalog.url,
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def pause_committed(self, rec: SandboxRecord) -> bool:
+        marker = _upload_state(rec.workdir)
+        return marker is not None and marker.get("state") == "committed"
+
+    async def adopt(self, sandbox_id: str, timeout: int | None = None) -> SandboxView:
+        """Resume, on this node, a sandbox paused on another node that shares the
+        repository. Raises :class:`SandboxNotFound` if the repository has no such paused
+        sandbox and :class:`Conflict` if another node resumed it first."""
+        timeout = self.config.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
+
+        async def work() -> None:
+            if self.store.get_sandbox(sandbox_id) is not None:
+                return  # adopted by a concurrent call
+            record = await self.catalog.get_paused(sandbox_id)
+            if record is None:
+                raise SandboxNotFound(sandbox_id)
+            generation = int(record["generation"])
+            if not await self.catalog.claim(sandbox_id, generation):
+                holder = await self.catalog.holder(sandbox_id, generation)
+                raise Conflict(f"sandbox {sandbox_id} was resumed on node {holder}")
+            await self._adopt_record(record)
+
+        await self._exclusive(sandbox_id, "adopt", work, join=True)
+        return await self.resume(sandbox_id, timeout)
+
+    async def _adopt_record(self, record: dict[str, Any]) -> None:
+        sandbox_id = record["sandbox_id"]
+        workdir = self.config.sandboxes_dir / sandbox_id
+        phases = _PhaseTimer()
+        slot = self._reserve_slot()
+        try:
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir(parents=True)
+            snap = await self.catalog.materialise_paused(
+                record,
+                workdir / "source",
+                lambda line: log.info("adopting %s: %s", sandbox_id, line),
+            )
+            phases.mark("fetch")
+            (workdir / PAUSED_DIR).mkdir()
+            _write_atomically(workdir / PAUSED_DIR / PAUSED_MANIFEST, snap.files.to_json())
+            _write_atomically(workdir / "generation", str(record["generation"]))
+            _write_atomically(
+                workdir / PAUSED_DIR / UPLOAD_MARKER,
+                json.dumps({"state": "committed", "generation": record["generation"]}),
+            )
+            snap.disk.chmod(0o600)
+            if snap.files.memory_file is not None:
+                snap.files.memory_file.chmod(0o600)
+            rec = SandboxRecord(
+                sandbox_id=sandbox_id,
+                template_id=record["template_id"],
+                template_build_id=record["template_build_id"],
+                state="paused",
+                slot=slot,
+                workdir=workdir,
+                started_at=datetime.fromisoformat(record["started_at"]),
+                end_at=datetime.fromisoformat(record["end_at"]),
+                vcpus=snap.vcpus,
+                memory_mib=snap.memory_mib,
+                disk_size_mib=snap.disk_size_mib,
+                envd_version=record["envd_version"],
+                envd_token=record.get("envd_token"),
+                metadata=dict(record.get("metadata") or {}),
+                env_vars=dict(record.get("env_vars") or {}),
+                auto_pause=bool(record.get("auto_pause")),
+                allow_internet=bool(record.get("allow_internet")),
+                memory_mode="shared" if snap.files.memory_file is not None else "private",
+                disk_path=snap.disk,
+                source_dir=snap.directory,
+                parent_id=record.get("parent_id"),
+                snapshot_id=record.get("snapshot_id"),
+                auto_resume=bool(record.get("auto_resume")),
+                pause_mode="full",
+            )
+            self.store.insert_sandbox(rec)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        finally:
+            self._release_slot(slot)
+        log.info("sandbox %s adopted from node %s in %s", sandbox_id, record.get("node"), phases)
+
+    async def _check_handoffs(self) -> None:
+        """Drop paused sandboxes that another node has resumed since."""
+        for rec in self.store.list_sandboxes():
+            if rec.state != "paused":
+                continue
+            marker = _upload_state(rec.workdir)
+            if marker is None or marker.get("state") != "committed":
+                continue
+            try:
+                holder = await self.catalog.holder(rec.sandbox_id, int(marker["generation"]))
+            except RepositoryUnavailable:
+                return
+            if holder in (None, self.catalog.node):
+                continue
+            async with self._lock(rec.sandbox_id):
+                current = self.store.get_sandbox(rec.sandbox_id)
+                if current is None or current.state != "paused":
+                    continue
+                self._forget_network(current)
+                await self._discard(current)
+            log.info("sandbox %s was resumed on node %s; dropped here", rec.sandbox_id, holder)

@@ -76,6 +76,7 @@ class TemplateManager:
         self._release_slot = release_slot
         self._http = http
         self._builds: dict[str, asyncio.Task[Template]] = {}
+        self._images: dict[str, asyncio.Task[MachineSnapshot]] = {}
         self.last_error: str | None = None
 
     # -- lookup ----------------------------------------------------------------------
@@ -169,13 +170,56 @@ class TemplateManager:
         self.store.put_template(record)
         return Template(record, snapshot)
 
-    async def _boot_with_retries(self, image: GuestImage, final: Path) -> MachineSnapshot:
+    # -- machines booted from other root filesystems (OCI images) ---------------------
+    async def image_machine(
+        self, key: str, rootfs: Path, vcpus: int, memory_mib: int
+    ) -> MachineSnapshot:
+        """A snapshot of the guest booted from ``rootfs`` (an unpacked OCI image) with
+        this node's kernel and tools drive, envd answering: what template builds from an
+        image start from. Kept per image and machine size, built once; concurrent
+        callers share the build."""
+        image = load_guest_image(self.config.image_cache)
+        inputs = {
+            "rootfs": key,
+            "base": self.base_build_id(image),
+            "vcpus": vcpus,
+            "mem": memory_mib,
+        }
+        build_id = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+        final = self.config.templates_dir / "images" / build_id
+        if final.exists():
+            try:
+                return MachineSnapshot.load(final)
+            except SnapshotError:
+                discard(final)
+        task = self._images.get(build_id)
+        if task is None or (task.done() and task.exception() is not None):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            task = asyncio.get_running_loop().create_task(
+                self._boot_with_retries(
+                    image, final, rootfs=rootfs, vcpus=vcpus, memory_mib=memory_mib
+                )
+            )
+            self._images[build_id] = task
+        return await asyncio.shield(task)
+
+    async def _boot_with_retries(
+        self,
+        image: GuestImage,
+        final: Path,
+        *,
+        rootfs: Path | None = None,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+    ) -> MachineSnapshot:
         """Cold boots under TCG occasionally hang in the kernel on a loaded host (seen here
         about once in dozens of boots); a fresh attempt then boots normally."""
         attempts = self.config.template_boot_attempts
         for attempt in range(1, attempts + 1):
             try:
-                return await self._boot_and_snapshot(image, final)
+                return await self._boot_and_snapshot(
+                    image, final, rootfs=rootfs, vcpus=vcpus, memory_mib=memory_mib
+                )
             except GuestBootTimeout as exc:
                 if attempt == attempts:
                     raise
@@ -187,19 +231,27 @@ class TemplateManager:
                 )
         raise AssertionError("unreachable")
 
-    async def _boot_and_snapshot(self, image: GuestImage, final: Path) -> MachineSnapshot:
+    async def _boot_and_snapshot(
+        self,
+        image: GuestImage,
+        final: Path,
+        *,
+        rootfs: Path | None = None,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+    ) -> MachineSnapshot:
         staging = staging_dir(final)
         slot = self._reserve_slot()
         vm: VirtualMachine | None = None
         net: SandboxNetwork | None = None
         try:
             disk, disk_format = await writable_disk(
-                image.rootfs, "raw", staging / "disk", self.driver.disk_formats
+                rootfs or image.rootfs, "raw", staging / "disk", self.driver.disk_formats
             )
             net = await self.network.create(slot)
             spec = MachineSpec(
-                vcpus=self.config.vcpus,
-                memory_mib=self.config.memory_mib,
+                vcpus=vcpus or self.config.vcpus,
+                memory_mib=memory_mib or self.config.memory_mib,
                 kernel=image.kernel,
                 initrd=image.initrd,
                 cmdline=kernel_cmdline(),

@@ -96,9 +96,11 @@ async def writable_disk(
         return await create_overlay(
             backing, path_stem.with_suffix(".qcow2"), backing_format
         ), "qcow2"
+    path = path_stem.with_suffix(".raw")
     if backing_format != "raw":
-        raise StorageError(f"{backing} is {backing_format}; this VMM needs a raw image")
-    return await clone_raw(backing, path_stem.with_suffix(".raw")), "raw"
+        # A VMM without qcow2 (Firecracker) gets the chain's contents as one raw file.
+        return await raw_view(backing, path), "raw"
+    return await clone_raw(backing, path), "raw"
 
 
 _QCOW2_MAGIC = b"QFI\xfb"
@@ -152,3 +154,28 @@ async def flatten(layer: Path, onto: Path, onto_format: DiskFormat) -> Path:
         flat.unlink(missing_ok=True)
         raise
     return flat
+
+
+async def rebase_unsafe(image: Path, backing: Path, backing_format: str) -> None:
+    """Point qcow2 ``image`` at ``backing`` without touching its data (a header write):
+    for a layer moved to another host or directory whose backing file has the same
+    contents under a new path."""
+    await _qemu_img(
+        "rebase", "-q", "-u", "-f", "qcow2", "-b", str(backing.resolve()), "-F", backing_format,
+        str(image),
+    )  # fmt: skip
+
+
+async def raw_view(image: Path, dest: Path) -> Path:
+    """A raw file with the contents the guest sees through qcow2 ``image`` and its
+    chain, for VMMs that read raw images only (Firecracker). Sparse: unallocated ranges
+    stay holes. Nothing is left at ``dest`` on failure."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    try:
+        await _qemu_img(
+            "convert", "-q", "-f", "qcow2", "-O", "raw", "-S", "4k", str(image), str(tmp)
+        )
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest

@@ -1,0 +1,305 @@
+"""E2B's template API: register a build, upload COPY sources, start the build, poll its
+status and logs, list, look up and resolve templates. Deleting a template is in
+``app.py`` (snapshots are deleted through the same route).
+
+Upload links carry a token (an HMAC of the template id and files hash under the node's
+API key), because the SDK sends the upload without its API key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.params import Depends
+
+from agentenv.api.models import (
+    BuildLogEntry,
+    BuildStatusReason,
+    TemplateAliasResponse,
+    TemplateBuildInfo,
+    TemplateBuildRequest,
+    TemplateBuildSummary,
+    TemplateFileUpload,
+    TemplateInfo,
+    TemplateRequestResponse,
+)
+from agentenv.orchestrator.build_plan import PlanError, parse_build
+from agentenv.orchestrator.builds import Build
+from agentenv.orchestrator.errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
+from agentenv.orchestrator.orchestrator import Orchestrator, SnapshotView
+from agentenv.orchestrator.templates import BASE_TEMPLATE
+
+LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
+
+
+def template_routes(
+    orchestrator: Orchestrator, api_key: str, authed: Sequence[Depends]
+) -> APIRouter:
+    router = APIRouter(tags=["templates"])
+    builds = orchestrator.builds
+
+    def upload_token(template_id: str, files_hash: str) -> str:
+        message = f"{template_id}:{files_hash}".encode()
+        return hmac.new(api_key.encode(), message, hashlib.sha256).hexdigest()
+
+    @router.post(
+        "/v3/templates",
+        status_code=202,
+        response_model=TemplateRequestResponse,
+        response_model_by_alias=True,
+        dependencies=list(authed),
+    )
+    async def request_build(body: TemplateBuildRequest) -> TemplateRequestResponse:
+        if body.tags:
+            raise InvalidRequest("template tags are not supported")
+        name = body.name or body.alias
+        if not name:
+            raise InvalidRequest("name is required")
+        if ":" in name:
+            raise InvalidRequest("name:tag is not supported; give a plain name")
+        build = builds.register(name, body.cpu_count, body.memory_mb)
+        return TemplateRequestResponse(
+            templateID=build.template_id,
+            buildID=build.build_id,
+            names=[name],
+            aliases=[name],
+        )
+
+    @router.get(
+        "/templates/{template_id}/files/{files_hash}",
+        status_code=201,
+        response_model=TemplateFileUpload,
+        response_model_exclude_none=True,
+        dependencies=list(authed),
+    )
+    async def file_upload_link(
+        template_id: str, files_hash: str, request: Request
+    ) -> TemplateFileUpload:
+        builds.get(template_id)
+        path = builds.upload_path(files_hash)
+        if path.exists():
+            return TemplateFileUpload(present=True)
+        url = request.url_for("upload_files", template_id=template_id, files_hash=files_hash)
+        token = upload_token(template_id, files_hash)
+        return TemplateFileUpload(present=False, url=f"{url}?token={token}")
+
+    @router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files")
+    async def upload_files(
+        template_id: str, files_hash: str, request: Request, token: str = ""
+    ) -> Response:
+        if not hmac.compare_digest(token, upload_token(template_id, files_hash)):
+            return Response(status_code=403, content="bad upload token")
+        path = builds.upload_path(files_hash)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(request)}.part")
+        try:
+            # Chunks are small; a thread hop for each would cost more than the write.
+            with open(tmp, "wb") as f:  # noqa: ASYNC230
+                async for chunk in request.stream():
+                    f.write(chunk)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return Response(status_code=200)
+
+    @router.post(
+        "/v2/templates/{template_id}/builds/{build_id}",
+        status_code=202,
+        dependencies=list(authed),
+    )
+    async def start_build(template_id: str, build_id: str, request: Request) -> Response:
+        build = builds.get(template_id, build_id)
+        try:
+            body: Any = await request.json()
+        except ValueError:
+            raise InvalidRequest("the build request is not JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("the build request must be an object")
+        try:
+            plan = parse_build(body)
+        except PlanError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        builds.start(build, plan)
+        return Response(status_code=202)
+
+    @router.get(
+        "/templates/{template_id}/builds/{build_id}/status",
+        response_model=TemplateBuildInfo,
+        response_model_by_alias=True,
+        response_model_exclude_none=True,
+        dependencies=list(authed),
+    )
+    async def build_status(
+        template_id: str,
+        build_id: str,
+        logs_offset: Annotated[int, Query(alias="logsOffset", ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        level: str | None = None,
+    ) -> TemplateBuildInfo:
+        """Log entries from ``logsOffset`` on, at most ``limit``: the SDK polls until a
+        finished build returns none."""
+        build = builds.get(template_id, build_id)
+        floor = LEVELS.get(level or "debug", 0)
+        entries = [
+            _entry(e.timestamp, e.level, e.message, e.step)
+            for e in build.logs[logs_offset : logs_offset + limit]
+            if LEVELS.get(e.level, 1) >= floor
+        ]
+        reason = None
+        if build.reason is not None:
+            reason = BuildStatusReason(
+                message=str(build.reason["message"]),
+                step=build.reason.get("step"),
+                logEntries=[
+                    _entry(e.timestamp, e.level, e.message, e.step)
+                    for e in build.logs[-20:]
+                    if e.level == "error"
+                ],
+            )
+        return TemplateBuildInfo(
+            templateID=build.template_id,
+            buildID=build.build_id,
+            status=build.status,  # type: ignore[arg-type]
+            logEntries=entries,
+            reason=reason,
+        )
+
+    async def template_infos() -> list[TemplateInfo]:
+        infos: dict[str, TemplateInfo] = {}
+        base = orchestrator.store.get_template(BASE_TEMPLATE)
+        if base is not None:
+            infos[BASE_TEMPLATE] = TemplateInfo(
+                templateID=BASE_TEMPLATE,
+                buildID=base.build_id,
+                cpuCount=base.vcpus,
+                memoryMB=base.memory_mib,
+                diskSizeMB=base.disk_size_mib,
+                aliases=[BASE_TEMPLATE],
+                names=[BASE_TEMPLATE],
+                createdAt=base.created_at,
+                updatedAt=base.created_at,
+                envdVersion=base.envd_version,
+                buildStatus="ready",
+            )
+        committed = await orchestrator.list_snapshots(type_="template")
+        for view in committed:
+            infos[view.snapshot_id] = _snapshot_info(view)
+        names = {n for info in infos.values() for n in info.names}
+        for build in builds.builds():
+            if build.template_id in infos or build.status == "ready":
+                continue
+            if build.status == "error" and build.name in names:
+                continue
+            infos[build.template_id] = _build_info(build)
+        return sorted(infos.values(), key=lambda i: (i.created_at, i.template_id))
+
+    @router.get(
+        "/templates",
+        response_model=list[TemplateInfo],
+        response_model_by_alias=True,
+        response_model_exclude_none=True,
+        dependencies=list(authed),
+    )
+    async def list_templates_v1() -> list[TemplateInfo]:
+        return await template_infos()
+
+    @router.get(
+        "/v2/templates",
+        response_model=list[TemplateInfo],
+        response_model_by_alias=True,
+        response_model_exclude_none=True,
+        dependencies=list(authed),
+    )
+    async def list_templates_v2() -> list[TemplateInfo]:
+        return await template_infos()
+
+    @router.get(
+        "/templates/aliases/{alias}",
+        response_model=TemplateAliasResponse,
+        response_model_by_alias=True,
+        dependencies=list(authed),
+    )
+    async def resolve_alias(alias: str) -> TemplateAliasResponse:
+        if not alias or len(alias) > 200:
+            raise InvalidRequest(f"bad alias {alias!r}")
+        if alias == BASE_TEMPLATE:
+            return TemplateAliasResponse(templateID=BASE_TEMPLATE)
+        try:
+            view = await orchestrator.get_snapshot(alias, type_="template")
+        except SnapshotNotFound:
+            raise TemplateNotFound(alias) from None
+        return TemplateAliasResponse(templateID=view.snapshot_id)
+
+    @router.get(
+        "/templates/{template_id}",
+        response_model=TemplateInfo,
+        response_model_by_alias=True,
+        response_model_exclude_none=True,
+        dependencies=list(authed),
+    )
+    async def get_template(template_id: str) -> TemplateInfo:
+        for info in await template_infos():
+            if info.template_id == template_id or template_id in info.names:
+                summary = TemplateBuildSummary(
+                    buildID=info.build_id,
+                    status=info.build_status,
+                    createdAt=info.created_at,
+                    updatedAt=info.updated_at,
+                    cpuCount=info.cpu_count,
+                    memoryMB=info.memory_mb,
+                    diskSizeMB=info.disk_size_mb,
+                    envdVersion=info.envd_version,
+                )
+                return info.model_copy(update={"builds": [summary]})
+        raise SnapshotNotFound(template_id)
+
+    return router
+
+
+def _entry(timestamp: datetime, level: str, message: str, step: str | None) -> BuildLogEntry:
+    return BuildLogEntry(
+        timestamp=timestamp,
+        level=level if level in LEVELS else "info",  # type: ignore[arg-type]
+        message=message,
+        step=step,
+    )
+
+
+def _snapshot_info(view: SnapshotView) -> TemplateInfo:
+    rec = view.record
+    meta = rec.metadata
+    return TemplateInfo(
+        templateID=rec.snapshot_id,
+        buildID=meta.get("buildID", rec.snapshot_id),
+        cpuCount=int(meta.get("cpuCount", "0") or 0),
+        memoryMB=int(meta.get("memoryMB", "0") or 0),
+        diskSizeMB=int(meta.get("diskSizeMB", "0") or 0),
+        aliases=view.names,
+        names=view.names,
+        createdAt=rec.created_at,
+        updatedAt=rec.created_at,
+        envdVersion=meta.get("envdVersion", ""),
+        buildStatus="ready",
+    )
+
+
+def _build_info(build: Build) -> TemplateInfo:
+    return TemplateInfo(
+        templateID=build.template_id,
+        buildID=build.build_id,
+        cpuCount=build.cpu_count,
+        memoryMB=build.memory_mb,
+        diskSizeMB=0,
+        aliases=[build.name],
+        names=[build.name],
+        createdAt=build.created_at,
+        updatedAt=build.updated_at or datetime.now(UTC),
+        envdVersion="",
+        buildStatus=build.status,  # type: ignore[arg-type]
+    )

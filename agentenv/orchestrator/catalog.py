@@ -1,0 +1,211 @@
+"""The orchestrator's view of the snapshot repository: what is committed (snapshots,
+templates, paused sandboxes), committing to it, and fetching from it into the node cache.
+
+Records live under ``catalog/snapshot/<id>`` (snapshots and templates: one namespace, a
+``type`` field tells them apart; names map to ids) and ``catalog/paused/<sandbox id>``.
+A commit pushes every blob first and writes the record last, so a crash or an
+unreachable repository mid-commit leaves the previous state. A paused sandbox is held
+by one node at a time: whoever resumes generation ``g`` of it first claims
+``claim:<id>:<g>`` (create-only), and a node whose claim lost drops its stale copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agentenv.config import Config
+from agentenv.orchestrator.errors import NodeCacheFull, RepositoryUnavailable
+from agentenv.snapshots.cache import CacheFull, NodeCache
+from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
+from agentenv.snapshots.objects import RepositoryError, open_store
+from agentenv.snapshots.publish import DigestMemo, Fetcher, Published, Publisher
+from agentenv.snapshots.repository import Repository
+
+log = logging.getLogger("agentenv.catalog")
+
+T = TypeVar("T")
+
+SNAPSHOTS = "snapshot"
+PAUSED = "paused"
+
+
+async def _guard(what: str, work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except CacheFull as exc:
+        raise NodeCacheFull(f"{what}: {exc}") from exc
+    except RepositoryError as exc:
+        raise RepositoryUnavailable(f"{what}: {exc}") from exc
+    except (OSError, SnapshotError) as exc:
+        raise RepositoryUnavailable(f"{what}: {exc}") from exc
+
+
+class Catalog:
+    def __init__(self, config: Config, pinned: Callable[[], set[str]]) -> None:
+        self.config = config
+        self.node = config.node_name
+        self.repository = Repository(open_store(config.repository_url, _environ()))
+        self.cache = NodeCache(config.cache_dir, config.cache_bytes)
+        self.memo = DigestMemo(config.cache_dir / "digests.json")
+        self.publisher = Publisher(self.repository, self.memo, config.image_cache)
+        self.fetcher = Fetcher(self.repository, self.cache, self.memo, config.image_cache, pinned)
+        self._fetching: dict[str, asyncio.Lock] = {}
+
+    def startup(self) -> None:
+        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.cache.load()
+        # Half-fetched snapshot directories of a previous run.
+        snaps = self.config.cache_dir / "snapshots"
+        if snaps.exists():
+            for path in snaps.glob(".staging-*"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    @property
+    def url(self) -> str:
+        return self.repository.url
+
+    # -- snapshots and templates -------------------------------------------------------
+    async def lookup(self, key: str) -> dict[str, Any] | None:
+        """The committed snapshot or template with id or name ``key``."""
+
+        async def find() -> dict[str, Any] | None:
+            record = await self.repository.get_record(SNAPSHOTS, key) if _is_id(key) else None
+            if record is not None:
+                return record
+            target = await self.repository.resolve_name(key)
+            if target is None:
+                return None
+            return await self.repository.get_record(SNAPSHOTS, target)
+
+        return await _guard(f"looking up {key!r} in the repository", find())
+
+    async def list_records(self, type_: str | None = None) -> list[dict[str, Any]]:
+        records = await _guard("listing the repository", self.repository.list_records(SNAPSHOTS))
+        return [r for r in records if type_ is None or r.get("type") == type_]
+
+    async def name_holder(self, name: str) -> str | None:
+        return await _guard("reading names", self.repository.resolve_name(name))
+
+    async def publish(self, snap: MachineSnapshot, **files: Path | None) -> Published:
+        return await _guard(
+            f"pushing snapshot {snap.directory.name}", self.publisher.publish(snap, **files)
+        )
+
+    async def commit(
+        self, record: dict[str, Any], names: list[str], *, replace_names: bool = False
+    ) -> None:
+        """Write a snapshot record (its blobs already pushed), then its names. With
+        ``replace_names`` a name moves to this record (a template rebuilt under its
+        name); otherwise a name held by another record is a conflict."""
+
+        async def work() -> None:
+            for name in names:
+                holder = await self.repository.resolve_name(name)
+                if holder not in (None, record["id"]) and not replace_names:
+                    raise RepositoryError(f"name {name!r} is taken by {holder}")
+            await self.repository.put_record(SNAPSHOTS, record["id"], record)
+            for name in names:
+                if replace_names:
+                    await self.repository.set_name(name, record["id"])
+                elif not await self.repository.claim_name(name, record["id"]):
+                    raise RepositoryError(f"name {name!r} was taken meanwhile")
+
+        await _guard(f"committing {record['id']}", work())
+
+    async def delete(self, record: dict[str, Any]) -> None:
+        async def work() -> None:
+            for name in record.get("names", []):
+                await self.repository.drop_name(name, expected_target=record["id"])
+            await self.repository.delete_record(SNAPSHOTS, record["id"])
+
+        await _guard(f"deleting {record['id']}", work())
+        self.cache.remove(f"snap:{record['id']}")
+
+    async def fetch(self, record: dict[str, Any], say: Callable[[str], None]) -> MachineSnapshot:
+        """The local, restorable copy of committed snapshot ``record`` (fetched into the
+        cache unless it is there already)."""
+        snapshot_id = record["id"]
+        key = f"snap:{snapshot_id}"
+        lock = self._fetching.setdefault(key, asyncio.Lock())
+        async with lock:
+            cached = self.cache.get(key)
+            if cached is not None:
+                try:
+                    return MachineSnapshot.load(cached)
+                except SnapshotError:
+                    self.cache.remove(key)
+            directory = self.config.cache_dir / "snapshots" / snapshot_id
+            snap = await _guard(
+                f"fetching {snapshot_id}",
+                self.fetcher.materialise(
+                    record["manifest"], record["blobs"], directory, top_shared=True, say=say
+                ),
+            )
+            self.cache.add(key, directory)
+            return snap
+
+    # -- paused sandboxes --------------------------------------------------------------
+    async def put_paused(self, sandbox_id: str, record: dict[str, Any]) -> None:
+        await _guard(
+            f"committing paused {sandbox_id}",
+            self.repository.put_record(PAUSED, sandbox_id, record),
+        )
+
+    async def get_paused(self, sandbox_id: str) -> dict[str, Any] | None:
+        if not _is_id(sandbox_id):
+            return None
+        return await _guard(
+            f"looking up {sandbox_id}", self.repository.get_record(PAUSED, sandbox_id)
+        )
+
+    async def drop_paused(self, sandbox_id: str) -> None:
+        await _guard(
+            f"removing paused {sandbox_id}", self.repository.delete_record(PAUSED, sandbox_id)
+        )
+
+    async def claim(self, sandbox_id: str, generation: int) -> bool:
+        """Take generation ``generation`` of a paused sandbox for this node; False if
+        another node took it first."""
+
+        async def work() -> bool:
+            name = _claim_name(sandbox_id, generation)
+            if await self.repository.claim_name(name, self.node):
+                return True
+            return await self.repository.resolve_name(name) == self.node
+
+        return await _guard(f"claiming {sandbox_id}", work())
+
+    async def holder(self, sandbox_id: str, generation: int) -> str | None:
+        return await _guard(
+            f"reading the holder of {sandbox_id}",
+            self.repository.resolve_name(_claim_name(sandbox_id, generation)),
+        )
+
+    async def materialise_paused(
+        self, record: dict[str, Any], directory: Path, say: Callable[[str], None]
+    ) -> MachineSnapshot:
+        return await _guard(
+            f"fetching paused {record['sandbox_id']}",
+            self.fetcher.materialise(
+                record["manifest"], record["blobs"], directory, top_shared=False, say=say
+            ),
+        )
+
+
+def _claim_name(sandbox_id: str, generation: int) -> str:
+    return f"claim:{sandbox_id}:{generation}"
+
+
+def _is_id(key: str) -> bool:
+    return bool(key) and all(c.isalnum() or c in "._:-" for c in key)
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)

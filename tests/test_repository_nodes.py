@@ -1,0 +1,254 @@
+"""Two node servers with separate data directories sharing one snapshot repository
+(a posix directory, then S3): paused sandboxes move between them with their files and
+processes, snapshots taken on one start sandboxes on the other, deletions are seen by
+both; an S3 server that is down or a server killed mid-commit loses nothing."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import COUNTER, ServerProcess, live_server, run_command
+from tests.s3server import S3Server, start_s3_server
+
+pytestmark = pytest.mark.vm
+
+
+def wait_for(predicate: object, timeout: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def create(srv: ServerProcess, template: str = "base") -> str:
+    with srv.client() as c:
+        r = c.post("/sandboxes", json={"templateID": template, "timeout": 600})
+        assert r.status_code == 201, r.text
+        return str(r.json()["sandboxID"])
+
+
+def sh(srv: ServerProcess, sandbox_id: str, command: str) -> str:
+    result = run_command(srv.url, sandbox_id, command)
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return result.stdout.strip()
+
+
+def counter(srv: ServerProcess, sandbox_id: str) -> int:
+    return int(sh(srv, sandbox_id, "cat /dev/shm/counter"))
+
+
+def pause_committed(srv: ServerProcess, sandbox_id: str) -> bool:
+    with srv.client() as c:
+        body = c.get(f"/sandboxes/{sandbox_id}").json()
+    assert body["state"] == "paused", body
+    return bool(body.get("pauseCommitted"))
+
+
+def snapshot_visible(srv: ServerProcess, key: str) -> bool:
+    with srv.client() as c:
+        return c.get(f"/snapshots/{key}").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def s3(test_root: Path) -> Iterator[S3Server]:
+    with start_s3_server(test_root / "s3") as server:
+        yield server
+
+
+@pytest.fixture(scope="module", params=["posix", "s3"])
+def nodes(
+    request: pytest.FixtureRequest, test_root: Path, guest_image: None
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    kind = request.param
+    extra = {"AENV_NETWORK_LINGER": "1"}
+    if kind == "posix":
+        extra["AENV_REPOSITORY"] = (test_root / "shared-repository").as_uri()
+    else:
+        s3: S3Server = request.getfixturevalue("s3")
+        extra.update(s3.env)
+        extra["AENV_REPOSITORY"] = s3.url("nodes")
+    a = ServerProcess(home=test_root / f"{kind}-node-a", extra_env={**extra, "AENV_NODE_ID": "a"})
+    b = ServerProcess(home=test_root / f"{kind}-node-b", extra_env={**extra, "AENV_NODE_ID": "b"})
+    with live_server(a), live_server(b):
+        yield a, b
+
+
+def test_pause_on_one_node_resume_on_the_other_and_back(
+    nodes: tuple[ServerProcess, ServerProcess],
+) -> None:
+    a, b = nodes
+    sandbox_id = create(a)
+    sh(a, sandbox_id, "echo moved > /home/user/marker.txt")
+    pid = sh(a, sandbox_id, COUNTER)
+    wait_for(lambda: counter(a, sandbox_id) > 2, what="the counter to run")
+    with a.client() as c:
+        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+    wait_for(lambda: pause_committed(a, sandbox_id), what="the pause to be committed")
+
+    # Unknown on B: connect adopts it from the repository.
+    with b.client() as c:
+        r = c.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+    assert sh(b, sandbox_id, "cat /home/user/marker.txt") == "moved"
+    assert sh(b, sandbox_id, f"kill -0 {pid} && echo alive") == "alive"
+    first = counter(b, sandbox_id)
+    wait_for(lambda: counter(b, sandbox_id) > first, what="the counter to go on on B")
+    # A notices that B holds it now and drops its stale copy.
+    with a.client() as c:
+        wait_for(
+            lambda: c.get(f"/sandboxes/{sandbox_id}").status_code == 404,
+            what="A to drop the sandbox B resumed",
+        )
+
+    # And back: paused on B, resumed on A.
+    sh(b, sandbox_id, "echo back >> /home/user/marker.txt")
+    with b.client() as c:
+        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+    wait_for(lambda: pause_committed(b, sandbox_id), what="B's pause to be committed")
+    with a.client() as c:
+        r = c.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+    assert sh(a, sandbox_id, "cat /home/user/marker.txt") == "moved\nback"
+    assert sh(a, sandbox_id, f"kill -0 {pid} && echo alive") == "alive"
+    with b.client() as c:
+        wait_for(
+            lambda: c.get(f"/sandboxes/{sandbox_id}").status_code == 404,
+            what="B to drop the sandbox A resumed",
+        )
+    # Killed on A: nobody can resume it from the repository any more.
+    with a.client() as c:
+        assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+    with b.client() as c:
+        assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 404
+
+
+def test_snapshot_taken_on_one_node_starts_sandboxes_on_the_other(
+    nodes: tuple[ServerProcess, ServerProcess],
+) -> None:
+    a, b = nodes
+    sandbox_id = create(a)
+    sh(a, sandbox_id, "echo from-a > /home/user/snap.txt")
+    name = f"shared-{sandbox_id[-6:]}"
+    with a.client() as c:
+        r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": name})
+        assert r.status_code == 201, r.text
+        snapshot_id = r.json()["snapshotID"]
+        # The name is taken everywhere.
+        again = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": name})
+        assert again.status_code == 409, again.text
+    wait_for(lambda: snapshot_visible(b, name), what="the snapshot to reach B")
+    child = create(b, name)
+    assert sh(b, child, "cat /home/user/snap.txt") == "from-a"
+    with b.client() as c:
+        listed = c.get("/snapshots").json()
+        assert snapshot_id in [s["snapshotID"] for s in listed]
+        assert c.delete(f"/sandboxes/{child}").status_code == 204
+        # Deleted on B: gone for A too.
+        assert c.delete(f"/snapshots/{name}").status_code == 204
+    with a.client() as c:
+        assert c.get(f"/snapshots/{snapshot_id}").status_code == 404
+        r = c.post("/sandboxes", json={"templateID": name})
+        assert r.status_code == 400, r.text
+        assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+
+
+def test_s3_down_pause_stays_local_and_is_uploaded_later(
+    s3: S3Server, test_root: Path, guest_image: None
+) -> None:
+    """With the repository unreachable, pause and snapshots still work on the node (and
+    the sandbox is never lost); they are committed once it is back."""
+    extra = {**s3.env, "AENV_REPOSITORY": s3.url("outage"), "AENV_NETWORK_LINGER": "1"}
+    node = ServerProcess(home=test_root / "outage-node", extra_env=extra)
+    with live_server(node):
+        sandbox_id = create(node)
+        sh(node, sandbox_id, "echo kept > /home/user/kept.txt")
+        s3.stop()
+        try:
+            with node.client() as c:
+                assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+                time.sleep(2)
+                assert not pause_committed(node, sandbox_id)
+                r = c.post(f"/sandboxes/{sandbox_id}/connect", json={})
+                assert r.status_code == 201, r.text
+            assert sh(node, sandbox_id, "cat /home/user/kept.txt") == "kept"
+            with node.client() as c:
+                assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        finally:
+            s3.start()
+        # Uploaded once the repository is back (retried in the background).
+        wait_for(lambda: pause_committed(node, sandbox_id), 180, "the upload after the outage")
+        with node.client() as c:
+            assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 201
+        assert sh(node, sandbox_id, "cat /home/user/kept.txt") == "kept"
+
+
+def test_server_killed_mid_commit_leaves_the_previous_state(
+    s3: S3Server, test_root: Path, guest_image: None
+) -> None:
+    extra = {**s3.env, "AENV_REPOSITORY": s3.url("crash")}
+    a = ServerProcess(home=test_root / "crash-a", extra_env=extra)
+    b = ServerProcess(home=test_root / "crash-b", extra_env=extra)
+    with live_server(a), live_server(b):
+        sandbox_id = create(a)
+        sh(a, sandbox_id, "echo one > /home/user/gen.txt")
+        with a.client() as c:
+            r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "crash-one"})
+            assert r.status_code == 201, r.text
+        wait_for(lambda: snapshot_visible(b, "crash-one"), what="the first commit")
+        # New data the second commit must upload, so it takes a while.
+        sh(
+            a,
+            sandbox_id,
+            "head -c 300M /dev/urandom > /home/user/big && echo two > /home/user/gen.txt",
+        )
+        with a.client() as c:
+            r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "crash-two"})
+            assert r.status_code == 201, r.text
+            second = r.json()["snapshotID"]
+        wait_for(lambda: f"committing snapshot {second}" in a.log_tail(200), 60, "the commit")
+        time.sleep(0.3)
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        # It was killed mid-commit (hashing and uploading ~800 MiB takes seconds).
+        assert f"{second} committed" not in a.log_tail(400)
+        # The repository is readable, with the first snapshot and without the second.
+        with b.client() as c:
+            names = [n for s in c.get("/snapshots").json() for n in s["names"]]
+            assert "crash-one" in names
+            assert "crash-two" not in names
+        child = create(b, "crash-one")
+        assert sh(b, child, "cat /home/user/gen.txt") == "one"
+        # The restarted server finishes the interrupted commit.
+        a.start()
+        wait_for(lambda: snapshot_visible(b, "crash-two"), 300, "the resumed commit")
+        child2 = create(b, "crash-two")
+        assert sh(b, child2, "cat /home/user/gen.txt") == "two"
+
+
+def test_repository_unreachable_on_create_from_unknown_name(
+    test_root: Path, guest_image: None
+) -> None:
+    extra = {
+        "AENV_REPOSITORY": "s3://agentenv/nowhere",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+    }
+    node = ServerProcess(home=test_root / "no-repo-node", extra_env=extra)
+    with live_server(node), node.client() as c:
+        r = c.post("/sandboxes", json={"templateID": "not-here"})
+        assert r.status_code == 503, r.text
+        assert "repository" in r.json()["message"]
+        # The built-in template does not need the repository.
+        r = c.post("/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 201, r.text
+        assert httpx.get(f"{node.url}/health").json()["status"] == "ok"

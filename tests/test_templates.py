@@ -1,0 +1,202 @@
+"""Templates built through E2B's build API by the unmodified SDK and by the ``aenv`` CLI,
+from an OCI image served by a local registry (built from Debian packages by the test
+setup): steps run, files copied, environment, working directory and a live start
+process end up in sandboxes made from the template."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox, Template, wait_for_file
+from e2b.exceptions import BuildException
+
+from tests.e2b.support import sdk_opts
+from tests.helpers import ROOT, ServerProcess, live_server
+from tests.registry import LocalRegistry, push_test_image, start_registry
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def registry(test_root: Path) -> Iterator[LocalRegistry]:
+    with start_registry(test_root / "registry") as reg:
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def image(registry: LocalRegistry) -> str:
+    return push_test_image(registry)
+
+
+@pytest.fixture(scope="module")
+def node(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
+    with live_server(ServerProcess(home=test_root / "templates-node")) as srv:
+        yield srv
+
+
+def build_opts(node: ServerProcess) -> dict[str, Any]:
+    return {k: v for k, v in sdk_opts(node).items() if k != "sandbox_url"}
+
+
+def test_sdk_builds_a_template_from_an_image(
+    node: ServerProcess, image: str, tmp_path: Path
+) -> None:
+    context = tmp_path / "context"
+    (context / "conf").mkdir(parents=True)
+    (context / "hello.txt").write_text("hello from the build context\n")
+    (context / "conf" / "app.toml").write_text("answer = 42\n")
+    name = "sdk-image-template"
+    template = (
+        Template(file_context_path=str(context))
+        .from_image(image)
+        .run_cmd("mkdir -p /srv/app && echo built > /srv/app/built.txt")
+        .set_workdir("/srv/app")
+        .set_envs({"AENV_BUILD_MARKER": "from-build"})
+        .copy("hello.txt", "/srv/app/hello.txt")
+        .copy("conf", "/srv/app/conf")
+        .run_cmd("pwd > /srv/app/workdir.txt && echo $AENV_BUILD_MARKER > /srv/app/env.txt")
+        .set_start_cmd(
+            "sh -c 'echo $$ > /tmp/start.pid; while true; do date +%s > /tmp/alive; sleep 1; done'",
+            wait_for_file("/tmp/alive"),
+        )
+    )
+    logs: list[str] = []
+    info = Template.build(
+        template,
+        name,
+        cpu_count=2,
+        memory_mb=512,
+        on_build_logs=lambda entry: logs.append(entry.message),
+        **build_opts(node),
+    )
+    assert info.template_id and info.build_id
+    assert any("step" in line for line in logs), logs
+
+    sandbox = Sandbox.create(template=name, timeout=300, **sdk_opts(node))
+    try:
+        run = sandbox.commands.run
+        assert run("cat built.txt").stdout == "built\n"  # default workdir
+        assert run("pwd").stdout.strip() == "/srv/app"
+        assert run("cat /srv/app/workdir.txt").stdout.strip() == "/srv/app"
+        assert run("echo $AENV_BUILD_MARKER").stdout.strip() == "from-build"
+        assert run("cat /srv/app/env.txt").stdout.strip() == "from-build"
+        # The image's own environment and layers.
+        assert run("echo $AENV_IMAGE_MARKER").stdout.strip() != ""
+        assert run("cat /opt/agentenv-test/layer2.txt").stdout == "hello from layer 2\n"
+        assert run("test ! -e /etc/agentenv-test/layer1-only.txt").exit_code == 0
+        # COPY: a file and a directory.
+        assert run("cat hello.txt").stdout == "hello from the build context\n"
+        assert run("cat conf/app.toml").stdout == "answer = 42\n"
+        # The start process runs on in the sandbox.
+        pid = run("cat /tmp/start.pid").stdout.strip()
+        assert run(f"kill -0 {pid}").exit_code == 0
+        first = int(run("cat /tmp/alive").stdout)
+        time.sleep(2.5)
+        assert int(run("cat /tmp/alive").stdout) > first
+    finally:
+        sandbox.kill()
+
+    with httpx.Client(
+        base_url=node.url, headers={"X-API-Key": node.api_key}, trust_env=False, timeout=60
+    ) as c:
+        listed = c.get("/v2/templates").json()
+        ours = [t for t in listed if name in t["names"]]
+        assert len(ours) == 1 and ours[0]["buildStatus"] == "ready", listed
+        assert ours[0]["templateID"] == info.template_id
+        alias = c.get(f"/templates/aliases/{name}").json()
+        assert alias["templateID"] == info.template_id
+        detail = c.get(f"/templates/{info.template_id}").json()
+        assert detail["builds"][0]["status"] == "ready"
+        assert c.delete(f"/templates/{name}").status_code == 204
+        assert name not in [n for t in c.get("/v2/templates").json() for n in t["names"]]
+        r = c.post("/sandboxes", json={"templateID": name})
+        assert r.status_code == 400, r.text
+
+
+def test_failing_step_reports_the_step_and_the_error(node: ServerProcess, image: str) -> None:
+    template = (
+        Template()
+        .from_image(image)
+        .run_cmd("echo fine")
+        .run_cmd("echo about to fail >&2; exit 3")
+        .run_cmd("echo never")
+    )
+    with pytest.raises(BuildException) as failure:
+        Template.build(template, "failing-template", **build_opts(node))
+    message = str(failure.value)
+    assert "step 2" in message and "exited with code 3" in message, message
+    with httpx.Client(base_url=node.url, headers={"X-API-Key": node.api_key}, trust_env=False) as c:
+        names = [n for t in c.get("/v2/templates").json() for n in t["names"]]
+        ready = [
+            t for t in c.get("/v2/templates").json()
+            if "failing-template" in t["names"] and t["buildStatus"] == "ready"
+        ]  # fmt: skip
+        assert not ready, names
+
+
+def test_start_command_that_exits_fails_the_build(node: ServerProcess, image: str) -> None:
+    template = Template().from_image(image).set_start_cmd("echo dying; exit 1", "false")
+    with pytest.raises(BuildException) as failure:
+        Template.build(template, "dying-start", **build_opts(node))
+    assert "exited before it was ready" in str(failure.value)
+    assert "dying" in str(failure.value)
+
+
+def aenv(
+    node: ServerProcess, *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(cwd or ROOT),
+        "AENV_SERVER": node.url,
+        "AENV_API_KEY": node.api_key,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "agentenv.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd or ROOT,
+    )
+
+
+def test_cli_pull_and_dockerfile_build(node: ServerProcess, image: str, tmp_path: Path) -> None:
+    pulled = aenv(node, "pull", image, "--name", "cli-pulled", "--output", "json")
+    assert pulled.returncode == 0, pulled.stderr
+    assert json.loads(pulled.stdout)["name"] == "cli-pulled"
+    started = aenv(node, "start", "cli-pulled", "--detach")
+    assert started.returncode == 0, started.stderr
+    sandbox_id = started.stdout.strip()
+    out = aenv(node, "exec", sandbox_id, "--", "cat /opt/agentenv-test/layer2.txt")
+    assert out.stdout == "hello from layer 2\n", out.stderr
+    aenv(node, "rm", sandbox_id)
+
+    (tmp_path / "greeting.txt").write_text("copied by a Dockerfile\n")
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {image}\n"
+        "ENV GREETING=dockerfile\n"
+        "RUN mkdir -p /work && echo $GREETING > /work/env.txt\n"
+        "WORKDIR /work\n"
+        "COPY greeting.txt /work/greeting.txt\n"
+    )
+    built = aenv(node, "template", "build", str(tmp_path / "Dockerfile"), "--name", "cli-built")
+    assert built.returncode == 0, built.stderr
+    listed = aenv(node, "template", "ls", "--output", "json")
+    assert "cli-built" in listed.stdout, listed.stdout
+    started = aenv(node, "start", "cli-built", "--detach")
+    assert started.returncode == 0, started.stderr
+    sandbox_id = started.stdout.strip()
+    out = aenv(node, "exec", sandbox_id, "--", "cat env.txt greeting.txt; echo $GREETING")
+    assert out.stdout == "dockerfile\ncopied by a Dockerfile\ndockerfile\n", out.stderr
+    aenv(node, "rm", sandbox_id)
+    removed = aenv(node, "template", "rm", "cli-built")
+    assert removed.returncode == 0, removed.stderr
