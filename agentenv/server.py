@@ -4,6 +4,7 @@ serves it with uvicorn."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -17,6 +18,8 @@ from agentenv import __version__
 from agentenv.api.app import create_app
 from agentenv.config import Config, ConfigError
 from agentenv.orchestrator.orchestrator import Orchestrator
+from agentenv.snapshots.objects import RepositoryError, open_store
+from agentenv.snapshots.repository import Repository
 from agentenv.vmm.accel import resolve_accelerator
 from agentenv.vmm.base import VMMDriver
 from agentenv.vmm.firecracker import FirecrackerDriver
@@ -80,16 +83,36 @@ Try it (the first create waits for the base template to be built):
 """
 
 
+def collect_garbage(config: Config, grace_s: float) -> None:
+    repository = Repository(open_store(config.repository_url, dict(os.environ)))
+    try:
+        blobs, chunks = asyncio.run(repository.collect_garbage(grace_s=grace_s))
+    except RepositoryError as exc:
+        sys.exit(f"aenv-server: {exc}")
+    print(f"{repository.url}: removed {blobs} unreferenced blobs and {chunks} chunks")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="aenv-server", description="Run an agentenv node.")
     parser.add_argument("--listen", help="host:port (env AENV_LISTEN, default 127.0.0.1:8000)")
     parser.add_argument("--home", help="data directory (env AENV_HOME, default /var/lib/agentenv)")
     parser.add_argument("--version", action="version", version=f"agentenv {__version__}")
+    parser.add_argument(
+        "--collect-garbage",
+        metavar="GRACE_S",
+        type=float,
+        help="instead of serving: remove from the repository (AENV_REPOSITORY) what no "
+        "snapshot, template or paused sandbox references and is older than GRACE_S "
+        "seconds, then exit. Run it while no node is committing.",
+    )
     args = parser.parse_args(argv)
     try:
         config = Config.load(listen=args.listen, home=args.home)
     except ConfigError as exc:
         sys.exit(f"aenv-server: configuration error: {exc}")
+    if args.collect_garbage is not None:
+        collect_garbage(config, args.collect_garbage)
+        return
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
