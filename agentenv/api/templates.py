@@ -199,24 +199,16 @@ def template_routes(
             infos[build.template_id] = _build_info(build)
         return sorted(infos.values(), key=lambda i: (i.created_at, i.template_id))
 
-    @router.get(
-        "/templates",
-        response_model=list[TemplateInfo],
-        response_model_by_alias=True,
-        response_model_exclude_none=True,
-        dependencies=list(authed),
-    )
-    async def list_templates_v1() -> list[TemplateInfo]:
-        return await template_infos()
+    list_route: dict[str, Any] = {
+        "response_model": list[TemplateInfo],
+        "response_model_by_alias": True,
+        "response_model_exclude_none": True,
+        "dependencies": list(authed),
+    }
 
-    @router.get(
-        "/v2/templates",
-        response_model=list[TemplateInfo],
-        response_model_by_alias=True,
-        response_model_exclude_none=True,
-        dependencies=list(authed),
-    )
-    async def list_templates_v2() -> list[TemplateInfo]:
+    @router.get("/templates", **list_route)
+    @router.get("/v2/templates", **list_route)
+    async def list_templates() -> list[TemplateInfo]:
         return await template_infos()
 
     @router.get(

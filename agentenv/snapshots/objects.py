@@ -141,18 +141,7 @@ class PosixObjectStore(ObjectStore):
     def _write_tmp(self, final: Path, write: Callable[[int], None]) -> Path:
         """A fsynced temporary file next to ``final`` holding what ``write`` wrote."""
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(_tmp_name())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            write(fd)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
-        os.close(fd)
-        return tmp
+        return _write_fsynced(final.with_name(_tmp_name()), write)
 
     def _install(self, final: Path, write: Callable[[int], None]) -> None:
         tmp = self._write_tmp(final, write)
@@ -288,7 +277,12 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 def _write_tmp_local(dest: Path, write: Callable[[int], None]) -> Path:
     """A temporary file next to ``dest`` with what ``write`` wrote (removed on failure)."""
-    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
+    return _write_fsynced(dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp"), write)
+
+
+def _write_fsynced(tmp: Path, write: Callable[[int], None]) -> Path:
+    """Create ``tmp`` (which must not exist) with what ``write`` wrote, fsynced; removed
+    again on failure."""
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         write(fd)
