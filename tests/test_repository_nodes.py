@@ -108,6 +108,14 @@ def test_pause_on_one_node_resume_on_the_other_and_back(
             what="A to drop the sandbox B resumed",
         )
 
+    # Adopted sandboxes are like any other: they snapshot, and the snapshot starts more.
+    with b.client() as c:
+        r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={})
+        assert r.status_code == 201, r.text
+        child = create(b, r.json()["snapshotID"])
+        assert sh(b, child, "cat /home/user/marker.txt") == "moved"
+        assert c.delete(f"/sandboxes/{child}").status_code == 204
+
     # And back: paused on B, resumed on A.
     sh(b, sandbox_id, "echo back >> /home/user/marker.txt")
     with b.client() as c:

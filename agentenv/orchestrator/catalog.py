@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentenv.config import Config
-from agentenv.orchestrator.errors import NodeCacheFull, RepositoryUnavailable
+from agentenv.orchestrator.errors import Conflict, NodeCacheFull, RepositoryUnavailable
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.objects import RepositoryError, open_store
@@ -107,13 +107,17 @@ class Catalog:
             for name in names:
                 holder = await self.repository.resolve_name(name)
                 if holder not in (None, record["id"]) and not replace_names:
-                    raise RepositoryError(f"name {name!r} is taken by {holder}")
+                    raise Conflict(f"name {name!r} is taken by {holder}")
             await self.repository.put_record(SNAPSHOTS, record["id"], record)
             for name in names:
                 if replace_names:
                     await self.repository.set_name(name, record["id"])
                 elif not await self.repository.claim_name(name, record["id"]):
-                    raise RepositoryError(f"name {name!r} was taken meanwhile")
+                    # Lost a race for the name: the record goes without it.
+                    await self.repository.put_record(
+                        SNAPSHOTS, record["id"], {**record, "names": []}
+                    )
+                    raise Conflict(f"name {name!r} was taken meanwhile")
 
         await _guard(f"committing {record['id']}", work())
 

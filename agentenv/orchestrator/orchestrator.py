@@ -1417,6 +1417,11 @@ class Orchestrator:
             try:
                 await self._commit_snapshot(snapshot_id)
                 return
+            except Conflict as exc:
+                # Another node committed one under the same name meanwhile: this one
+                # is committed without it rather than retried forever.
+                log.error("%s loses its name: %s", snapshot_id, exc)
+                self.store.update_snapshot(snapshot_id, name=None)
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
                 log.warning(
                     "committing %s failed (%s); retrying in %.0fs", snapshot_id, exc, COMMIT_RETRY_S
@@ -1843,7 +1848,11 @@ class Orchestrator:
                 workdir / PAUSED_DIR / UPLOAD_MARKER,
                 json.dumps({"state": "committed", "generation": record["generation"]}),
             )
-            snap.disk.chmod(0o600)
+            # The sandbox writes its disk under a name of its own: a later snapshot seals
+            # that name away, while the adopted machine's description keeps its link.
+            disk = _next_top(workdir)
+            os.link(snap.disk, disk)
+            disk.chmod(0o600)
             if snap.files.memory_file is not None:
                 snap.files.memory_file.chmod(0o600)
             rec = SandboxRecord(
@@ -1865,7 +1874,7 @@ class Orchestrator:
                 auto_pause=bool(record.get("auto_pause")),
                 allow_internet=bool(record.get("allow_internet")),
                 memory_mode="shared" if snap.files.memory_file is not None else "private",
-                disk_path=snap.disk,
+                disk_path=disk,
                 source_dir=snap.directory,
                 parent_id=record.get("parent_id"),
                 snapshot_id=record.get("snapshot_id"),
