@@ -57,8 +57,11 @@ def test_sdk_builds_a_template_from_an_image(
     template = (
         Template(file_context_path=str(context))
         .from_image(image)
-        .run_cmd("mkdir -p /srv/app && echo built > /srv/app/built.txt")
+        # Steps run as "user" (E2B's default) unless told otherwise; WORKDIR creates
+        # the directory for them.
         .set_workdir("/srv/app")
+        .run_cmd("echo built > built.txt && whoami > /tmp/build-user.txt")
+        .run_cmd("mkdir -p /opt/root-only && whoami > /opt/root-only/who", user="root")
         .set_envs({"AENV_BUILD_MARKER": "from-build"})
         .copy("hello.txt", "/srv/app/hello.txt")
         .copy("conf", "/srv/app/conf")
@@ -85,6 +88,9 @@ def test_sdk_builds_a_template_from_an_image(
     try:
         run = sandbox.commands.run
         assert run("cat built.txt").stdout == "built\n"  # default workdir
+        assert run("cat /tmp/build-user.txt").stdout == "user\n"
+        assert run("whoami").stdout == "user\n"
+        assert run("cat /opt/root-only/who").stdout == "root\n"
         assert run("pwd").stdout.strip() == "/srv/app"
         assert run("cat /srv/app/workdir.txt").stdout.strip() == "/srv/app"
         assert run("echo $AENV_BUILD_MARKER").stdout.strip() == "from-build"
@@ -120,6 +126,31 @@ def test_sdk_builds_a_template_from_an_image(
         assert name not in [n for t in c.get("/v2/templates").json() for n in t["names"]]
         r = c.post("/sandboxes", json={"templateID": name})
         assert r.status_code == 400, r.text
+
+
+def test_build_from_a_template(node: ServerProcess) -> None:
+    """FROM another template: the built-in one here (what the SDK's default base image
+    also maps to), then a template built from that."""
+    first = Template().from_template("base").run_cmd("echo one > /home/user/layers.txt")
+    Template.build(first, "derived-one", **build_opts(node))
+    second = (
+        Template()
+        .from_template("derived-one")
+        .run_cmd("echo two >> /home/user/layers.txt", user="user")
+    )
+    Template.build(second, "derived-two", **build_opts(node))
+    sandbox = Sandbox.create(template="derived-two", timeout=120, **sdk_opts(node))
+    try:
+        assert sandbox.commands.run("cat /home/user/layers.txt").stdout == "one\ntwo\n"
+    finally:
+        sandbox.kill()
+    for name in ("derived-two", "derived-one"):
+        # The SDK deletes templates through the route snapshots share.
+        assert Sandbox.delete_snapshot(name, **sdk_opts(node)) is True
+        with httpx.Client(
+            base_url=node.url, headers={"X-API-Key": node.api_key}, trust_env=False
+        ) as c:
+            assert c.get(f"/templates/aliases/{name}").status_code == 404
 
 
 def test_failing_step_reports_the_step_and_the_error(node: ServerProcess, image: str) -> None:

@@ -31,7 +31,11 @@ from agentenv.api.models import (
 )
 from agentenv.orchestrator.build_plan import PlanError, parse_build
 from agentenv.orchestrator.builds import Build
-from agentenv.orchestrator.errors import InvalidRequest, SnapshotNotFound, TemplateNotFound
+from agentenv.orchestrator.errors import (
+    InvalidRequest,
+    SnapshotNotFound,
+    TemplateAliasNotFound,
+)
 from agentenv.orchestrator.orchestrator import Orchestrator, SnapshotView
 from agentenv.orchestrator.templates import BASE_TEMPLATE
 
@@ -225,7 +229,7 @@ def template_routes(
         try:
             view = await orchestrator.get_snapshot(alias, type_="template")
         except SnapshotNotFound:
-            raise TemplateNotFound(alias) from None
+            raise TemplateAliasNotFound(alias) from None
         return TemplateAliasResponse(templateID=view.snapshot_id)
 
     @router.get(
@@ -249,7 +253,7 @@ def template_routes(
                     envdVersion=info.envd_version,
                 )
                 return info.model_copy(update={"builds": [summary]})
-        raise SnapshotNotFound(template_id)
+        raise TemplateAliasNotFound(template_id)
 
     return router
 

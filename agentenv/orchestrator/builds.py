@@ -155,6 +155,7 @@ class BuildManager:
             guest = BuildGuest(self.orchestrator, build)
             view = await self._base(build, plan, guest)
             guest.address = view.guest_address
+            await guest.prepare()
             await guest.apply(plan, self.upload_path)
             if plan.start_cmd:
                 await guest.start(plan.start_cmd, plan.ready_cmd)
@@ -224,11 +225,9 @@ class BuildManager:
         machine = await self.orchestrator.templates.image_machine(
             image.digest, image.rootfs, build.cpu_count, build.memory_mb
         )
+        # The image's environment carries over; its USER and WORKDIR give way to E2B's
+        # build defaults (BuildGuest.prepare), as in E2B.
         guest.env.update(image.config.env)
-        if image.config.workdir:
-            guest.workdir = image.config.workdir
-        if image.config.user:
-            guest.user = image.config.user
         return await self.orchestrator.create_from_machine(
             machine, build.template_id, timeout=BUILD_SANDBOX_TIMEOUT_S, metadata=metadata
         )
@@ -254,7 +253,6 @@ class BuildGuest:
         self.env: dict[str, str] = {}
         self.workdir: str | None = None
         self.user = "root"
-        self.user_set = False
 
     async def run(
         self, command: str, *, user: str | None = None, step: str | None = None, quiet: bool = False
@@ -279,6 +277,13 @@ class BuildGuest:
             detail = f" ({result.error})" if result.error else ""
             raise StepFailed(step, label, f"exited with code {result.exit_code}{detail}")
 
+    async def prepare(self) -> None:
+        """E2B's build defaults: steps run as ``user`` in its home directory (as root
+        where the image has no such account)."""
+        exists = await self.run(f"id -u {DEFAULT_USER}", user="root", quiet=True)
+        if exists.exit_code == 0:
+            self.user, self.workdir = DEFAULT_USER, f"/home/{DEFAULT_USER}"
+
     async def apply(self, plan: BuildPlan, uploads: Callable[[str], Path]) -> None:
         total = len(plan.steps)
         for index, step in enumerate(plan.steps, 1):
@@ -293,11 +298,16 @@ class BuildGuest:
                 path = (
                     step.path if step.path.startswith("/") else f"{self.workdir or '/'}/{step.path}"
                 )
-                await self.check(f"mkdir -p {shlex.quote(path)}", number, name, user="root")
+                q = shlex.quote(path)
+                # Created for a non-root build user, it is theirs (E2B builds as "user").
+                owner = "" if self.user == "root" else f" && chown {shlex.quote(self.user)} {q}"
+                await self.check(
+                    f"test -d {q} || {{ mkdir -p {q}{owner}; }}", number, name, user="root"
+                )
                 self.workdir = path
             elif isinstance(step, UserStep):
                 await self._ensure_user(step.user, number, name)
-                self.user, self.user_set = step.user, True
+                self.user = step.user
             elif isinstance(step, CopyStep):
                 digest = hashlib.sha256(step.files_hash.encode()).hexdigest()[:12]
                 archive = f"/tmp/.agentenv-copy-{digest}"
@@ -378,14 +388,10 @@ class BuildGuest:
 
     async def finish(self) -> None:
         """What sandboxes of the template get by default: the build's environment,
-        working directory and user (E2B's ``user`` unless the build set one)."""
-        user = self.user if self.user_set else DEFAULT_USER
-        exists = await self.run(f"id -u {shlex.quote(user)}", user="root", quiet=True)
-        if exists.exit_code != 0:
-            user = "root"
+        working directory and user as the last steps left them."""
         try:
             await envd_client.configure(
-                self.http, self.address, env_vars=self.env, user=user, workdir=self.workdir
+                self.http, self.address, env_vars=self.env, user=self.user, workdir=self.workdir
             )
         except envd_client.EnvdUnreachable as exc:
             raise BuildFailed(f"configuring the template's defaults failed: {exc}") from exc

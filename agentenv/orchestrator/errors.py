@@ -81,3 +81,12 @@ class NodeCacheFull(OrchestratorError):
 
 class BuildFailed(OrchestratorError):
     status = 400
+
+
+class TemplateAliasNotFound(OrchestratorError):
+    """No template has this name (E2B answers 404 here, not the 400 of a create)."""
+
+    status = 404
+
+    def __init__(self, alias: str) -> None:
+        super().__init__(f"template {alias!r} not found")
