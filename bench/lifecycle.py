@@ -714,10 +714,12 @@ def print_table(
     summary: dict[str, dict[str, float]],
     baseline: dict[str, str],
     targets: dict[str, float] | None = None,
+    *,
+    width: int = 28,
 ) -> None:
     target_head = f"{'target':>8}{'met':>5}" if targets is not None else ""
     header = (
-        f"{'metric':<28}{'n':>4}{'p50 ms':>10}{'p90 ms':>10}{'min':>9}{'max':>9}"
+        f"{'metric':<{width}}{'n':>4}{'p50 ms':>10}{'p90 ms':>10}{'min':>9}{'max':>9}"
         f"{target_head}  ratio"
     )
     print(header)
@@ -734,7 +736,7 @@ def print_table(
             else:
                 target = " " * 13
         print(
-            f"{name:<28}{s['n']:>4}{s['p50_ms']:>10.1f}{s['p90_ms']:>10.1f}"
+            f"{name:<{width}}{s['n']:>4}{s['p50_ms']:>10.1f}{s['p90_ms']:>10.1f}"
             f"{s['min_ms']:>9.1f}{s['max_ms']:>9.1f}{target}  {ratio}"
         )
 

@@ -57,6 +57,22 @@ def snapshot_visible(srv: ServerProcess, key: str) -> bool:
         return c.get(f"/snapshots/{key}").status_code == 200
 
 
+def move(sandbox_id: str, source: ServerProcess, dest: ServerProcess) -> None:
+    """Pause on ``source``, resume on ``dest`` (which adopts it from the repository), and
+    see ``source`` drop its stale copy."""
+    with source.client() as c:
+        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+    wait_for(lambda: pause_committed(source, sandbox_id), what="the pause to be committed")
+    with dest.client() as c:
+        r = c.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+    with source.client() as c:
+        wait_for(
+            lambda: c.get(f"/sandboxes/{sandbox_id}").status_code == 404,
+            what="the source node to drop the sandbox the other resumed",
+        )
+
+
 @pytest.fixture(scope="module")
 def s3(test_root: Path) -> Iterator[S3Server]:
     with start_s3_server(test_root / "s3") as server:
@@ -89,24 +105,11 @@ def test_pause_on_one_node_resume_on_the_other_and_back(
     sh(a, sandbox_id, "echo moved > /home/user/marker.txt")
     pid = sh(a, sandbox_id, COUNTER)
     wait_for(lambda: counter(a, sandbox_id) > 2, what="the counter to run")
-    with a.client() as c:
-        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
-    wait_for(lambda: pause_committed(a, sandbox_id), what="the pause to be committed")
-
-    # Unknown on B: connect adopts it from the repository.
-    with b.client() as c:
-        r = c.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
-        assert r.status_code == 201, r.text
+    move(sandbox_id, a, b)
     assert sh(b, sandbox_id, "cat /home/user/marker.txt") == "moved"
     assert sh(b, sandbox_id, f"kill -0 {pid} && echo alive") == "alive"
     first = counter(b, sandbox_id)
     wait_for(lambda: counter(b, sandbox_id) > first, what="the counter to go on on B")
-    # A notices that B holds it now and drops its stale copy.
-    with a.client() as c:
-        wait_for(
-            lambda: c.get(f"/sandboxes/{sandbox_id}").status_code == 404,
-            what="A to drop the sandbox B resumed",
-        )
 
     # Adopted sandboxes are like any other: they snapshot, and the snapshot starts more.
     with b.client() as c:
@@ -118,19 +121,9 @@ def test_pause_on_one_node_resume_on_the_other_and_back(
 
     # And back: paused on B, resumed on A.
     sh(b, sandbox_id, "echo back >> /home/user/marker.txt")
-    with b.client() as c:
-        assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
-    wait_for(lambda: pause_committed(b, sandbox_id), what="B's pause to be committed")
-    with a.client() as c:
-        r = c.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
-        assert r.status_code == 201, r.text
+    move(sandbox_id, b, a)
     assert sh(a, sandbox_id, "cat /home/user/marker.txt") == "moved\nback"
     assert sh(a, sandbox_id, f"kill -0 {pid} && echo alive") == "alive"
-    with b.client() as c:
-        wait_for(
-            lambda: c.get(f"/sandboxes/{sandbox_id}").status_code == 404,
-            what="B to drop the sandbox A resumed",
-        )
     # Killed on A: nobody can resume it from the repository any more.
     with a.client() as c:
         assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204

@@ -48,6 +48,16 @@ BASE_TEMPLATE = "base"
 
 
 @dataclass(frozen=True)
+class _Machine:
+    """What a template boot may change from the node's defaults: the root filesystem
+    (the guest image's) and the machine size (the config's)."""
+
+    rootfs: Path | None = None
+    vcpus: int | None = None
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
 class Template:
     record: TemplateRecord
     snapshot: MachineSnapshot
@@ -196,30 +206,20 @@ class TemplateManager:
         if task is None or (task.done() and task.exception() is not None):
             final.parent.mkdir(parents=True, exist_ok=True)
             task = asyncio.get_running_loop().create_task(
-                self._boot_with_retries(
-                    image, final, rootfs=rootfs, vcpus=vcpus, memory_mib=memory_mib
-                )
+                self._boot_with_retries(image, final, _Machine(rootfs, vcpus, memory_mib))
             )
             self._images[build_id] = task
         return await asyncio.shield(task)
 
     async def _boot_with_retries(
-        self,
-        image: GuestImage,
-        final: Path,
-        *,
-        rootfs: Path | None = None,
-        vcpus: int | None = None,
-        memory_mib: int | None = None,
+        self, image: GuestImage, final: Path, machine: _Machine | None = None
     ) -> MachineSnapshot:
         """Cold boots under TCG occasionally hang in the kernel on a loaded host (seen here
         about once in dozens of boots); a fresh attempt then boots normally."""
         attempts = self.config.template_boot_attempts
         for attempt in range(1, attempts + 1):
             try:
-                return await self._boot_and_snapshot(
-                    image, final, rootfs=rootfs, vcpus=vcpus, memory_mib=memory_mib
-                )
+                return await self._boot_and_snapshot(image, final, machine or _Machine())
             except GuestBootTimeout as exc:
                 if attempt == attempts:
                     raise
@@ -232,13 +232,7 @@ class TemplateManager:
         raise AssertionError("unreachable")
 
     async def _boot_and_snapshot(
-        self,
-        image: GuestImage,
-        final: Path,
-        *,
-        rootfs: Path | None = None,
-        vcpus: int | None = None,
-        memory_mib: int | None = None,
+        self, image: GuestImage, final: Path, machine: _Machine
     ) -> MachineSnapshot:
         staging = staging_dir(final)
         slot = self._reserve_slot()
@@ -246,12 +240,12 @@ class TemplateManager:
         net: SandboxNetwork | None = None
         try:
             disk, disk_format = await writable_disk(
-                rootfs or image.rootfs, "raw", staging / "disk", self.driver.disk_formats
+                machine.rootfs or image.rootfs, "raw", staging / "disk", self.driver.disk_formats
             )
             net = await self.network.create(slot)
             spec = MachineSpec(
-                vcpus=vcpus or self.config.vcpus,
-                memory_mib=memory_mib or self.config.memory_mib,
+                vcpus=machine.vcpus or self.config.vcpus,
+                memory_mib=machine.memory_mib or self.config.memory_mib,
                 kernel=image.kernel,
                 initrd=image.initrd,
                 cmdline=kernel_cmdline(),
