@@ -336,3 +336,23 @@ async def test_dead_server_fails_fast(tmp_path: Path) -> None:
             with pytest.raises(RepositoryError):
                 await asyncio.wait_for(op, 60)
         assert not (tmp_path / "out").exists()
+
+
+async def test_finer_chunks_store_a_scattered_change_cheaply(tmp_path: Path) -> None:
+    """RAM images are pushed in smaller chunks: one changed page costs one small chunk."""
+    store = open_store((tmp_path / "repo").as_uri(), {})
+    src = tmp_path / "ram"
+    data = bytearray(os.urandom(2 * 1024 * 1024))
+    src.write_bytes(bytes(data))
+    first = await blobs.push_file(store, src, chunk_size=64 * 1024)
+    chunks_before = len(await store.list("chunks/"))
+    assert chunks_before == 32
+    data[1_000_000:1_000_010] = b"x" * 10
+    src.write_bytes(bytes(data))
+    second = await blobs.push_file(store, src, chunk_size=64 * 1024)
+    assert second != first
+    assert len(await store.list("chunks/")) == chunks_before + 1
+    await blobs.pull_file(store, second, tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == bytes(data)
+    with pytest.raises(ValueError):
+        await blobs.push_file(store, src, chunk_size=1000)

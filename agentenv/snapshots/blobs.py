@@ -120,10 +120,20 @@ def _read_chunk(fd: int, offset: int, length: int) -> tuple[bytes, str] | None:
     return data, hashlib.sha256(data).hexdigest()
 
 
-async def push_file(store: ObjectStore, path: Path, *, progress: Progress | None = None) -> str:
+async def push_file(
+    store: ObjectStore,
+    path: Path,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    progress: Progress | None = None,
+) -> str:
     """Store ``path`` as a blob and return its digest. Chunks already in the store are not
     uploaded again. ``progress(done, total)`` is called in file bytes. The file must not
-    change while it is pushed."""
+    change while it is pushed. ``chunk_size`` (a multiple of 4 KiB, at most
+    :data:`CHUNK_SIZE`) trades objects per blob against what a small change costs: RAM
+    images change in scattered pages, so they are cut finer than disk layers."""
+    if chunk_size <= 0 or chunk_size % 4096 or chunk_size > CHUNK_SIZE:
+        raise ValueError(f"chunk size must be a multiple of 4 KiB up to {CHUNK_SIZE}")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -144,8 +154,8 @@ async def push_file(store: ObjectStore, path: Path, *, progress: Progress | None
                 progress(done, size)
 
         async with _first_error(), asyncio.TaskGroup() as tg:
-            for offset in range(0, size, CHUNK_SIZE):
-                length = min(CHUNK_SIZE, size - offset)
+            for offset in range(0, size, chunk_size):
+                length = min(chunk_size, size - offset)
                 # Acquired before reading, so at most _PARALLEL chunks are in memory.
                 await slots.acquire()
                 try:
@@ -165,7 +175,7 @@ async def push_file(store: ObjectStore, path: Path, *, progress: Progress | None
     finally:
         os.close(fd)
 
-    manifest = Manifest(size, CHUNK_SIZE, tuple(chunks)).to_bytes()
+    manifest = Manifest(size, chunk_size, tuple(chunks)).to_bytes()
     hexdigest = hashlib.sha256(manifest).hexdigest()
     # Last: the manifest's existence is the promise that every chunk it lists is stored.
     if not await store.exists(manifest_key(hexdigest)):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.guest import find_guest_image
-from agentenv.snapshots.blobs import load_manifest
+from agentenv.snapshots.blobs import CHUNK_SIZE, load_manifest
 from agentenv.snapshots.cache import NodeCache
 from agentenv.snapshots.layout import MachineSnapshot
 from agentenv.snapshots.objects import RepositoryError
@@ -37,6 +37,10 @@ from agentenv.vmm.base import SnapshotFiles
 log = logging.getLogger("agentenv.snapshots")
 
 MANIFEST_VERSION = 1
+# A guest's RAM changes in scattered pages: over 5 idle seconds here, 0.9 MiB of pages
+# touched 108 MiB of 4 MiB chunks, 25 MiB of 256 KiB ones and 9 MiB of 64 KiB ones. 256 KiB
+# keeps a 512 MiB image at 2048 objects at most (S3 requests per commit and per fetch).
+RAM_CHUNK_SIZE = 256 * 1024
 GUEST_IMAGES_PREFIX = "images/"
 
 
@@ -102,11 +106,11 @@ class Publisher:
         self.image_cache = image_cache
         self._images_pushed: set[str] = set()
 
-    async def push(self, path: Path) -> str:
+    async def push(self, path: Path, *, chunk_size: int = CHUNK_SIZE) -> str:
         digest = self.memo.get(path)
         if digest is not None and await self.repository.blob_exists(digest):
             return digest
-        digest = await self.repository.push_file(path)
+        digest = await self.repository.push_file(path, chunk_size=chunk_size)
         self.memo.put(path, digest)
         return digest
 
@@ -157,7 +161,7 @@ class Publisher:
         await self._push_guest_image(snap, guest_rootfs)
         blobs: dict[str, str] = {"state": await self.push(state)}
         if memory is not None:
-            blobs["memory"] = await self.push(memory)
+            blobs["memory"] = await self.push(memory, chunk_size=RAM_CHUNK_SIZE)
         layers: list[dict[str, Any]] = []
         for i, path in enumerate(chain):
             if path == guest_rootfs:

@@ -180,8 +180,14 @@ class Repository:
 
     # Blobs ------------------------------------------------------------------------
 
-    async def push_file(self, path: Path, progress: blobs.Progress | None = None) -> str:
-        return await blobs.push_file(self.store, path, progress=progress)
+    async def push_file(
+        self,
+        path: Path,
+        progress: blobs.Progress | None = None,
+        *,
+        chunk_size: int = blobs.CHUNK_SIZE,
+    ) -> str:
+        return await blobs.push_file(self.store, path, chunk_size=chunk_size, progress=progress)
 
     async def pull_file(
         self, digest: str, dest: Path, progress: blobs.Progress | None = None
