@@ -28,6 +28,16 @@ from agentenv.snapshots.objects import ObjectNotFound, ObjectStore, RepositoryEr
 CHUNK_SIZE = 4 * 1024 * 1024
 # Chunks read or transferred at once; bounds memory to about this many chunks.
 _PARALLEL = 4
+# Small chunks are dominated by per-request latency (S3): more of them in flight, with
+# the same bound on memory.
+_MAX_PARALLEL = 16
+_BYTES_IN_FLIGHT = _PARALLEL * 4 * 1024 * 1024
+
+
+def _parallelism(chunk_size: int) -> int:
+    return max(_PARALLEL, min(_MAX_PARALLEL, _BYTES_IN_FLIGHT // max(chunk_size, 1)))
+
+
 # Within a pulled chunk, zero runs of this size are left as holes rather than written.
 _HOLE_GRANULE = 64 * 1024
 _ZEROS = bytes(CHUNK_SIZE)
@@ -139,7 +149,7 @@ async def push_file(
         size = os.fstat(fd).st_size
         chunks: list[tuple[int, int, str]] = []
         done = 0
-        slots = asyncio.Semaphore(_PARALLEL)
+        slots = asyncio.Semaphore(_parallelism(chunk_size))
 
         async def upload(offset: int, length: int, data: bytes, h: str) -> None:
             nonlocal done
@@ -156,7 +166,7 @@ async def push_file(
         async with _first_error(), asyncio.TaskGroup() as tg:
             for offset in range(0, size, chunk_size):
                 length = min(chunk_size, size - offset)
-                # Acquired before reading, so at most _PARALLEL chunks are in memory.
+                # Acquired before reading, so memory holds a bounded number of chunks.
                 await slots.acquire()
                 try:
                     chunk = await asyncio.to_thread(_read_chunk, fd, offset, length)
@@ -233,7 +243,7 @@ async def pull_file(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, manifest.size)
-        slots = asyncio.Semaphore(_PARALLEL)
+        slots = asyncio.Semaphore(_parallelism(manifest.chunk_size))
 
         def verify_and_write(offset: int, length: int, h: str, data: bytes) -> None:
             if len(data) != length or hashlib.sha256(data).hexdigest() != h:

@@ -15,6 +15,7 @@ as ``OSError``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -296,6 +297,7 @@ def _write_fsynced(tmp: Path, write: Callable[[int], None]) -> Path:
     return tmp
 
 
+_S3_POOL = 16
 # A dead or unreachable server must fail within seconds, not minutes: short connect
 # timeout, one retry. Checksums only when the API requires them: several S3-compatible
 # servers reject the trailing checksums newer botocore sends by default, and every
@@ -305,11 +307,25 @@ _S3_CONFIG = botocore.config.Config(
     read_timeout=60,
     retries={"max_attempts": 2, "mode": "standard"},
     s3={"addressing_style": "path"},
-    max_pool_connections=16,
+    max_pool_connections=_S3_POOL,
     request_checksum_calculation="when_required",
     response_checksum_validation="when_required",
 )
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+_S3_THREADS = _S3_POOL
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _s3_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for S3 requests, as many as the client's connection pool: the event
+    loop's default executor has only a few on a small host, and requests for small
+    chunks are mostly waiting on the network."""
+    global _executor
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(
+            _S3_THREADS, thread_name_prefix="agentenv-s3"
+        )
+    return _executor
 
 
 class S3ObjectStore(ObjectStore):
@@ -370,7 +386,7 @@ class S3ObjectStore(ObjectStore):
             return fn(self._make_client())
 
         try:
-            return await asyncio.to_thread(call)
+            return await asyncio.get_running_loop().run_in_executor(_s3_executor(), call)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise self._error(what, exc) from exc
 

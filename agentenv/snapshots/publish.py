@@ -20,7 +20,9 @@ import json
 import logging
 import os
 import shutil
+from collections import Counter
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,8 @@ class Publisher:
 
 
 ProgressLog = Callable[[str], None]
+# The cache keys the current materialise holds (see Fetcher.pinned).
+_HELD: ContextVar[list[str] | None] = ContextVar("agentenv_fetch_held", default=None)
 
 
 class Fetcher:
@@ -210,8 +214,20 @@ class Fetcher:
         self.cache = cache
         self.memo = memo
         self.image_cache = image_cache
-        self.pinned = pinned
+        self._pinned = pinned
         self._locks: dict[str, asyncio.Lock] = {}
+        # Cache entries a materialise in progress has fetched or found: not yet used by
+        # any sandbox, but it needs them until it is done.
+        self._busy: Counter[str] = Counter()
+
+    def pinned(self) -> set[str]:
+        return self._pinned() | {key for key, n in self._busy.items() if n > 0}
+
+    def _hold(self, key: str) -> None:
+        held = _HELD.get()
+        if held is not None:
+            held.append(key)
+            self._busy[key] += 1
 
     def _lock(self, key: str) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -226,6 +242,7 @@ class Fetcher:
         async with self._lock(key):
             cached = self.cache.get(key)
             if cached is not None and cached.exists():
+                self._hold(key)
                 return cached
             size = await _stored_bytes(self.repository, digest)
             self.cache.make_room(size, self.pinned)
@@ -243,6 +260,7 @@ class Fetcher:
                 tmp.unlink(missing_ok=True)
                 raise
             self.cache.add(key, dest)
+            self._hold(key)
             self.memo.put(dest, digest)
             return dest
 
@@ -305,6 +323,25 @@ class Fetcher:
             raise RepositoryError(
                 f"unsupported snapshot manifest version {manifest.get('version')}"
             )
+        held: list[str] = []
+        token = _HELD.set(held)
+        try:
+            return await self._materialise(manifest, blobs, directory, top_shared, say)
+        finally:
+            _HELD.reset(token)
+            for key in held:
+                self._busy[key] -= 1
+                if self._busy[key] <= 0:
+                    del self._busy[key]
+
+    async def _materialise(
+        self,
+        manifest: dict[str, Any],
+        blobs: dict[str, str],
+        directory: Path,
+        top_shared: bool,
+        say: ProgressLog,
+    ) -> MachineSnapshot:
         kernel, initrd, tools, rootfs = await self._boot_files(manifest, say)
         lower = await self._lower_layers(manifest, rootfs, say)
         top_layer = manifest["layers"][0]
