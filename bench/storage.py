@@ -1,19 +1,28 @@
 """Layered storage and the snapshot repository, through the HTTP API of two live nodes
 sharing one repository (a posix directory, then S3), against baselines in the same run.
 
-  seal                      the snapshot's disk seal (server log phase ``seal``)
-                            baseline: ``cp --reflink=always`` of the sandbox's disk top
-  capture after X           POST /sandboxes/{id}/snapshots until 201 (local capture)
-  commit after X (server)   the server's own commit time (log: ``committed ... in N ms``)
-  commit after X (visible)  POST until the second node answers 200 for the snapshot
-                            baseline of both: the capture (X = 0, 100 MiB, 1 GiB of new
-                            data written in the guest since the previous snapshot)
-  restore cold / warm       create from a snapshot on the node that never saw it (fetch
-                            into its cache), then again (warm); baseline: warm
-  repository growth         bytes the repository grew by per snapshot
-  disk beyond shared        bytes of a sandbox's directory in extents it shares with
-                            nothing (FIEMAP), idle / after writing 100 MiB / after a
-                            snapshot; baseline: the template's allocated bytes (a copy)
+Measured (``--runs`` times unless noted; the 1 GiB rows ``--big-runs`` times):
+  seal                        the ``seal`` phase of a snapshot (server log)
+                              baseline: ``cp --reflink=always`` of the sandbox's disk top
+  capture after X             the server's ``taken in N ms`` for a snapshot taken after X
+                              (0, 100 MiB, 1 GiB) of new data was written in the guest
+                              since the previous snapshot
+  commit after X (server)     the server's own ``committed ... in N ms``
+  commit after X (visible)    POST /sandboxes/{id}/snapshots until the second node answers
+                              200 for the snapshot; baseline of both: capture after X
+  restore cold after X        on the second node, create from a snapshot it never fetched
+                              (the fetch into its cache included), snapshots in the order
+                              they were taken, so each fetch is of that snapshot's own
+                              layer, RAM and state; baseline: restore warm (the same again)
+  repository growth after X   bytes the repository grew by per snapshot (posix: ``du -sb``;
+                              S3: the objects' sizes)
+  disk beyond shared layers   bytes of a sandbox's directory in extents shared with nothing
+                              else (FIEMAP), just created / after writing 100 MiB in it /
+                              after a snapshot of that; baseline: the template's allocated
+                              bytes with its disk's backing chain (a full copy)
+Each backend starts with one untimed snapshot (committed, then restored on the second
+node) that pushes and fetches what every later one shares (the template's RAM and disk
+layers); its figures are reported on their own as ``first commit``/``first restore``.
 
 Usage (as root):
   .venv/bin/python bench/storage.py [--runs 3] [--big-runs 1] [--skip-s3]
@@ -27,277 +36,531 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import re
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.lifecycle import api_client, expect, prepare_data_dir, print_table, summarize
-from tests.helpers import ServerProcess, live_server, run_command
+from agentenv.snapshots.layout import MachineSnapshot
+from agentenv.storage.images import backing_chain
+from bench.lifecycle import (
+    api_client,
+    expect,
+    log_problems,
+    percentile,
+    prepare_data_dir,
+    print_table,
+    summarize,
+)
+from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 from tests.s3server import S3Server, start_s3_server
 
-ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
-SIZES = {"0": None, "100MiB": 100, "1GiB": 1024}
+# New data written in the guest before a snapshot: label → MiB.
+WRITES = {"0": 0, "100MiB": 100, "1GiB": 1024}
+RESTORED = ("0", "100MiB")  # the snapshots restored cold and warm on the second node
+POLL_S = 0.02
+SERVERS: list[ServerProcess] = []  # every server started, for their logs
 
+# linux/fs.h, linux/fiemap.h
 _FS_IOC_FIEMAP = 0xC020660B
 _FIEMAP_FLAG_SYNC = 0x1
 _FIEMAP_EXTENT_LAST = 0x1
 _FIEMAP_EXTENT_SHARED = 0x2000
-_EXTENTS_PER_CALL = 512
+_FIEMAP_HEADER = struct.Struct("=QQIIII")  # start, length, flags, mapped, count, reserved
+_FIEMAP_EXTENT = struct.Struct("=QQQQQIIII")  # logical, physical, length, 2 reserved, flags
+_EXTENTS_PER_CALL = 256
 
 
+# -- bytes on disk ------------------------------------------------------------------
 def unshared_bytes(path: Path) -> int:
-    """Bytes of ``path`` in extents no other file shares (reflinks share theirs)."""
+    """Bytes of ``path`` in extents that no other file (or snapshot of one) shares:
+    what deleting it would free. Dirty pages are written back first (FIEMAP_FLAG_SYNC),
+    so the figure is what the file costs once on disk."""
     total, start = 0, 0
     with open(path, "rb") as f:
         while True:
-            # struct fiemap: start, length, flags, mapped extents, extent count, reserved;
-            # then the struct fiemap_extent array (56 bytes each).
-            header = struct.pack(
-                "=QQLLLL", start, 2**64 - 1, _FIEMAP_FLAG_SYNC, 0, _EXTENTS_PER_CALL, 0
+            header = _FIEMAP_HEADER.pack(
+                start, 2**64 - 1 - start, _FIEMAP_FLAG_SYNC, 0, _EXTENTS_PER_CALL, 0
             )
-            buf = bytearray(header + bytes(56 * _EXTENTS_PER_CALL))
+            buf = bytearray(header + bytes(_FIEMAP_EXTENT.size * _EXTENTS_PER_CALL))
             fcntl.ioctl(f.fileno(), _FS_IOC_FIEMAP, buf)
-            mapped = struct.unpack_from("=L", buf, 20)[0]
-            last = False
+            mapped = _FIEMAP_HEADER.unpack_from(buf)[3]
+            if mapped == 0:
+                return total
             for i in range(mapped):
-                logical, _, length, _, _, flags = struct.unpack_from("=QQQQQL", buf, 32 + 56 * i)
+                extent = _FIEMAP_EXTENT.unpack_from(
+                    buf, _FIEMAP_HEADER.size + i * _FIEMAP_EXTENT.size
+                )
+                logical, length, flags = extent[0], extent[2], extent[5]
                 if not flags & _FIEMAP_EXTENT_SHARED:
                     total += length
-                last = bool(flags & _FIEMAP_EXTENT_LAST)
+                if flags & _FIEMAP_EXTENT_LAST:
+                    return total
                 start = logical + length
-            if mapped == 0 or last:
-                return total
 
 
-def tree_bytes(directory: Path, *, unshared: bool) -> int:
+def _files(directory: Path) -> Iterator[Path]:
+    """Regular files under ``directory``, each inode once."""
+    seen: set[tuple[int, int]] = set()
+    for path in sorted(directory.rglob("*")):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.lstat()
+            if path.is_symlink() or not path.is_file() or (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            yield path
+
+
+def unshared_tree_bytes(directory: Path) -> int:
+    # Written back everywhere first: a clone's pending writes unshare the other side too.
+    os.sync()
     total = 0
-    seen: set[int] = set()
-    for path in directory.rglob("*"):
-        if not path.is_file() or path.is_symlink():
-            continue
-        st = path.stat()
-        if st.st_ino in seen:
-            continue
-        seen.add(st.st_ino)
-        total += unshared_bytes(path) if unshared else st.st_blocks * 512
+    for path in _files(directory):
+        with contextlib.suppress(FileNotFoundError):
+            total += unshared_bytes(path)
     return total
 
 
+def allocated_bytes(paths: list[Path]) -> int:
+    return sum(p.stat().st_blocks * 512 for p in paths)
+
+
+def du_bytes(directory: Path) -> int:
+    """Apparent size of ``directory`` as ``du -sb`` counts it."""
+    if not directory.exists():
+        return 0
+    out = subprocess.run(["du", "-sb", str(directory)], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0])
+
+
+def s3_bytes(s3: S3Server, url: str) -> int:
+    """Sum of the sizes of the objects under the repository's prefix."""
+    import boto3
+    import botocore.config
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.session.Session().client(
+        "s3",
+        endpoint_url=s3.env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"],
+        region_name=s3.env["AWS_REGION"],
+        config=botocore.config.Config(s3={"addressing_style": "path"}),
+    )
+    total = 0
+    try:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        for page in pages:
+            total += sum(int(item["Size"]) for item in page.get("Contents", []))
+    except client.exceptions.NoSuchBucket:
+        return 0  # the first commit makes it
+    return total
+
+
+# -- one node -----------------------------------------------------------------------
 class Node:
+    """A live server and an API client for it."""
+
     def __init__(self, server: ServerProcess) -> None:
         self.server = server
+        self.home = server.home
         self.client = api_client(server.url, server.api_key)
 
     def create(self, template: str = "base") -> str:
-        body = expect(self.client.post("/sandboxes", json={"templateID": template}), 201).json()
-        return str(body["sandboxID"])
+        response = self.client.post("/sandboxes", json={"templateID": template, "timeout": 3600})
+        return str(expect(response, 201).json()["sandboxID"])
 
     def kill(self, sandbox_id: str) -> None:
         expect(self.client.delete(f"/sandboxes/{sandbox_id}"), 204)
 
     def sh(self, sandbox_id: str, command: str) -> str:
-        result = run_command(self.server.url, sandbox_id, command, timeout=600)
+        result = run_command(self.server.url, sandbox_id, command, timeout=900)
         if result.exit_code != 0:
-            raise RuntimeError(f"{command!r} failed: {result.stderr}")
+            raise RuntimeError(f"{command!r} exited with {result.exit_code}: {result.stderr}")
         return result.stdout
 
-    def log_value(self, pattern: str, timeout: float = 600) -> re.Match[str]:
+    def write(self, sandbox_id: str, name: str, mib: int) -> float:
+        """Seconds to write ``mib`` MiB of new (random) data to a file in the guest."""
+        t0 = time.perf_counter()
+        self.sh(sandbox_id, f"head -c {mib}M /dev/urandom > /home/user/{name}; sync")
+        return time.perf_counter() - t0
+
+    def snapshot(self, sandbox_id: str) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        response = self.client.post(f"/sandboxes/{sandbox_id}/snapshots", json={})
+        return str(expect(response, 201).json()["snapshotID"]), time.perf_counter() - t0
+
+    def sees(self, snapshot_id: str) -> bool:
+        response = self.client.get(f"/snapshots/{snapshot_id}")
+        if response.status_code not in (200, 404):
+            expect(response, 200)
+        return response.status_code == 200
+
+    def cache_used(self) -> int:
+        health = self.client.get("/health").json()
+        return int((health.get("cache") or {}).get("usedBytes", 0))
+
+    def log_match(self, pattern: str, timeout: float = 900) -> re.Match[str]:
+        """The first server log line matching ``pattern``, waiting for it."""
+        compiled = re.compile(pattern)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(pattern, self.server.log_path.read_text(errors="replace"))
+        while True:
+            found = compiled.search(self.server.log_path.read_text(errors="replace"))
             if found:
                 return found
-            time.sleep(0.05)
-        raise RuntimeError(f"no log line matching {pattern!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.server.log_path}: no line matching {pattern!r}")
+            time.sleep(POLL_S)
 
+    def taken(self, snapshot_id: str) -> dict[str, float]:
+        """The snapshot's ``taken in N ms (phase a, ...)``, in seconds: total and phases."""
+        found = self.log_match(rf"snapshot {snapshot_id} taken in (\d+) ms \(([^)]*)\)")
+        phases = {"total": int(found.group(1)) / 1000}
+        for name, ms in re.findall(r"(\w+) (\d+)", found.group(2)):
+            phases[name] = int(ms) / 1000
+        return phases
 
-def repository_bytes(url: str, s3: S3Server | None) -> int:
-    if url.startswith("file://"):
-        return tree_bytes(Path(url.removeprefix("file://")), unshared=False)
-    assert s3 is not None
-    import boto3
+    def committed(self, snapshot_id: str) -> float:
+        found = self.log_match(rf"snapshot {snapshot_id} committed to \S+ in (\d+) ms")
+        return int(found.group(1)) / 1000
 
-    bucket, _, prefix = url.removeprefix("s3://").partition("/")
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3.env["AWS_ENDPOINT_URL"],
-        aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"],
-        region_name=s3.env.get("AWS_REGION", "us-east-1"),
-    )
-    total = 0
-    try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            total += sum(int(o["Size"]) for o in page.get("Contents", []))
-    except client.exceptions.NoSuchBucket:
-        return 0  # made by the first commit
-    return total
+    def disk_top(self, sandbox_id: str) -> Path:
+        """The sandbox's writable disk image (the one its VMM has open)."""
+        workdir = self.home / "sandboxes" / sandbox_id
+        tops = [p for p in workdir.glob("disk*.qcow2") if p.is_file()]
+        return max(tops, key=lambda p: p.stat().st_mtime_ns)
 
-
-def disk_top(home: Path, sandbox_id: str) -> Path:
-    tops = sorted(
-        (home / "sandboxes" / sandbox_id).glob("disk*.qcow2"), key=lambda p: p.stat().st_mtime
-    )
-    return tops[-1]
-
-
-def bench_backend(
-    backend: str, a: Node, b: Node, url: str, s3: S3Server | None, args: argparse.Namespace
-) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-    """Snapshots on A after writing 0 / 100 MiB / 1 GiB, their commits, their first and
-    second restores on B."""
-    times: dict[str, list[float]] = {}
-    sizes: dict[str, list[int]] = {}
-
-    def add(name: str, seconds: float) -> None:
-        times.setdefault(f"{backend} {name}", []).append(seconds)
-
-    sandbox_id = a.create()
-    snapshots: list[str] = []
-    try:
-        for label, mib in SIZES.items():
-            runs = args.big_runs if label == "1GiB" else args.runs
-            for _ in range(runs):
-                if mib:
-                    a.sh(sandbox_id, f"head -c {mib}M /dev/urandom > /home/user/data-{label}; sync")
-                before = repository_bytes(url, s3)
-                top = disk_top(a.server.home, sandbox_id)
-                with tempfile.TemporaryDirectory(dir=top.parent) as scratch:
-                    t0 = time.perf_counter()
-                    subprocess.run(["cp", "--reflink=always", str(top), scratch], check=True)
-                    add("reflink of disk top", time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                r = expect(a.client.post(f"/sandboxes/{sandbox_id}/snapshots", json={}), 201)
-                captured = time.perf_counter() - t0
-                snapshot_id = r.json()["snapshotID"]
-                while b.client.get(f"/snapshots/{snapshot_id}").status_code != 200:
-                    time.sleep(0.05)
-                visible = time.perf_counter() - t0
-                taken = a.log_value(rf"snapshot {snapshot_id} taken in \d+ ms \(([^)]*)\)")
-                seal = re.search(r"seal (\d+)", taken.group(1))
-                committed = a.log_value(rf"snapshot {snapshot_id} committed to \S+ in (\d+) ms")
-                add("seal", int(seal.group(1)) / 1000 if seal else float("nan"))
-                add(f"capture after {label}", captured)
-                add(f"commit after {label} (server)", int(committed.group(1)) / 1000)
-                add(f"commit after {label} (visible)", visible)
-                sizes.setdefault(f"{backend} repository growth after {label}", []).append(
-                    repository_bytes(url, s3) - before
-                )
-                snapshots.append(snapshot_id)
-    finally:
-        a.kill(sandbox_id)
-    for snapshot_id in snapshots[: args.runs]:
-        for kind in ("cold", "warm"):
-            t0 = time.perf_counter()
-            child = b.create(snapshot_id)
-            add(f"restore {kind}", time.perf_counter() - t0)
-            b.kill(child)
-    return times, sizes
-
-
-def bench_disk_space(a: Node, args: argparse.Namespace) -> dict[str, list[int]]:
-    sizes: dict[str, list[int]] = {}
-    template_dirs = list((a.server.home / "templates" / "base").glob("*/snapshot.json"))
-    template = tree_bytes(template_dirs[0].parent, unshared=False)
-    for _ in range(args.runs):
-        sizes.setdefault("template allocated (a full copy)", []).append(template)
-        sandbox_id = a.create()
-        workdir = a.server.home / "sandboxes" / sandbox_id
-        try:
-            a.sh(sandbox_id, "sync")
-            time.sleep(6)  # the background RAM flush writes back what the guest dirtied
-            sizes.setdefault("sandbox idle", []).append(tree_bytes(workdir, unshared=True))
-            a.sh(sandbox_id, "head -c 100M /dev/urandom > /home/user/data; sync")
-            time.sleep(6)
-            sizes.setdefault("after 100 MiB written", []).append(tree_bytes(workdir, unshared=True))
-            expect(a.client.post(f"/sandboxes/{sandbox_id}/snapshots", json={}), 201)
-            sizes.setdefault("after a snapshot of that", []).append(
-                tree_bytes(workdir, unshared=True)
-            )
-        finally:
-            a.kill(sandbox_id)
-    return sizes
+    def close(self) -> None:
+        self.client.close()
 
 
 @contextlib.contextmanager
-def nodes(root: Path, name: str, extra: dict[str, str]) -> Iterator[tuple[Node, Node]]:
-    a = ServerProcess(home=root / f"{name}-a", extra_env={**extra, "AENV_NODE_ID": f"{name}-a"})
-    b = ServerProcess(home=root / f"{name}-b", extra_env={**extra, "AENV_NODE_ID": f"{name}-b"})
-    with live_server(a), live_server(b):
-        yield Node(a), Node(b)
+def node_pair(root: Path, backend: str, env: dict[str, str]) -> Iterator[tuple[Node, Node]]:
+    """Two servers (homes of their own) sharing the repository in ``env``."""
+    servers = [
+        ServerProcess(
+            home=root / f"{backend}-{n}", extra_env={**env, "AENV_NODE_ID": f"{backend}-{n}"}
+        )
+        for n in ("a", "b")
+    ]
+    SERVERS.extend(servers)
+    with live_server(servers[0]), live_server(servers[1]):
+        nodes = (Node(servers[0]), Node(servers[1]))
+        try:
+            yield nodes
+        finally:
+            for node in nodes:
+                node.close()
 
 
-def print_sizes(sizes: dict[str, list[int]], baseline: str | None) -> None:
-    header = f"{'bytes':<44}{'n':>4}{'median MiB':>12}{'max MiB':>10}  ratio"
+# -- the measurements ---------------------------------------------------------------
+class Results:
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.sizes: dict[str, list[int]] = {}
+        self.info: dict[str, Any] = {"failures": {}}
+
+    def time(self, name: str, seconds: float) -> None:
+        self.times.setdefault(name, []).append(seconds)
+
+    def size(self, name: str, value: int) -> None:
+        self.sizes.setdefault(name, []).append(value)
+
+
+def reflink_copy_seconds(source: Path, scratch: Path) -> float:
+    """Seconds ``cp --reflink=always`` takes to clone ``source`` (the clone is removed)."""
+    target = scratch / f"clone-{source.name}"
+    try:
+        t0 = time.perf_counter()
+        subprocess.run(["cp", "--reflink=always", str(source), str(target)], check=True)
+        return time.perf_counter() - t0
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def bench_backend(
+    backend: str,
+    a: Node,
+    b: Node,
+    repository_bytes: Callable[[], int],
+    scratch: Path,
+    args: argparse.Namespace,
+    out: Results,
+) -> None:
+    """Snapshots on node A after writing 0 / 100 MiB / 1 GiB, their commits as node B
+    sees them, then cold and warm restores of them on B."""
+
+    def take(sandbox_id: str) -> dict[str, Any]:
+        """A snapshot, timed until B sees it; the log's figures; the repository growth."""
+        before = repository_bytes()
+        snapshot_id, api = a.snapshot(sandbox_id)
+        t0 = time.perf_counter() - api
+        while not b.sees(snapshot_id):
+            time.sleep(POLL_S)
+        visible = time.perf_counter() - t0
+        return {
+            "id": snapshot_id,
+            "api": api,
+            "visible": visible,
+            "taken": a.taken(snapshot_id),
+            "committed": a.committed(snapshot_id),
+            "growth": repository_bytes() - before,
+        }
+
+    sandbox_id = a.create()
+    restore: list[tuple[str, str]] = []  # (label, snapshot id), in the order taken
+    try:
+        a.sh(sandbox_id, "echo ready")
+        first = take(sandbox_id)
+        out.time(f"{backend} first commit (template layers too)", first["committed"])
+        out.size(f"{backend} repository growth, first snapshot", first["growth"])
+        restore.append(("first", first["id"]))
+        for label, mib in WRITES.items():
+            for _ in range(args.big_runs if mib >= 1024 else args.runs):
+                if mib:
+                    # Rewritten: every block is new to the top made by the last snapshot.
+                    name = f"data-{label}"
+                    out.time(f"{backend} write {label} in guest", a.write(sandbox_id, name, mib))
+                out.time(
+                    f"{backend} reflink copy of disk top",
+                    reflink_copy_seconds(a.disk_top(sandbox_id), scratch),
+                )
+                snap = take(sandbox_id)
+                out.time(f"{backend} seal", snap["taken"].get("seal", float("nan")))
+                out.time(f"{backend} capture after {label}", snap["taken"]["total"])
+                out.time(f"{backend} capture after {label} (API)", snap["api"])
+                out.time(f"{backend} commit after {label} (server)", snap["committed"])
+                out.time(f"{backend} commit after {label} (visible)", snap["visible"])
+                out.size(f"{backend} repository growth after {label}", snap["growth"])
+                if label in RESTORED:
+                    restore.append((label, snap["id"]))
+    finally:
+        a.kill(sandbox_id)
+
+    for label, snapshot_id in restore:
+        cache0 = b.cache_used()
+        for kind in ("cold", "warm"):
+            t0 = time.perf_counter()
+            child = b.create(snapshot_id)
+            elapsed = time.perf_counter() - t0
+            b.kill(child)
+            if kind == "warm":
+                out.time(f"{backend} restore warm", elapsed)
+            elif label == "first":
+                out.time(f"{backend} first restore (template layers too)", elapsed)
+            else:
+                out.time(f"{backend} restore cold after {label}", elapsed)
+        fetched = b.cache_used() - cache0
+        if label == "first":
+            out.size(f"{backend} node cache growth, first restore", fetched)
+        else:
+            out.size(f"{backend} node cache growth per cold restore after {label}", fetched)
+
+
+def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
+    """Unshared bytes of a sandbox's directory: just created, after 100 MiB written,
+    after a snapshot of that."""
+    manifests = sorted((a.home / "templates" / "base").glob("*/snapshot.json"))
+    template_dir = manifests[-1].parent
+    template_files = list(_files(template_dir))
+    chain = backing_chain(MachineSnapshot.load(template_dir).disk)
+    below = [p for p in chain if p.parent != template_dir]
+    out.size("template dir allocated", allocated_bytes(template_files))
+    full_copy = allocated_bytes(template_files + below)
+    for _ in range(args.runs):
+        out.size("template + its disk chain allocated (a full copy)", full_copy)
+        sandbox_id = a.create()
+        workdir = a.home / "sandboxes" / sandbox_id
+        try:
+            a.sh(sandbox_id, "echo ready")
+            out.size("sandbox just created: unshared", unshared_tree_bytes(workdir))
+            out.size(
+                "sandbox just created: allocated incl. shared",
+                allocated_bytes(list(_files(workdir))),
+            )
+            a.write(sandbox_id, "data-100MiB", 100)
+            out.size("after writing 100 MiB: unshared", unshared_tree_bytes(workdir))
+            snapshot_id, _ = a.snapshot(sandbox_id)
+            out.size("after a snapshot of that: unshared", unshared_tree_bytes(workdir))
+            local = a.home / "snapshots" / snapshot_id
+            if local.is_dir():
+                out.size("  that snapshot's own dir: unshared", unshared_tree_bytes(local))
+            a.committed(snapshot_id)  # its commit reads the files: not under the next run
+        finally:
+            a.kill(sandbox_id)
+
+
+# -- output -------------------------------------------------------------------------
+def print_sizes(sizes: dict[str, list[int]], baseline: str) -> None:
+    width = max([44, *(len(name) + 2 for name in sizes)])
+    header = f"{'bytes':<{width}}{'n':>4}{'median MiB':>12}{'p90 MiB':>10}{'max MiB':>10}  ratio"
     print(header)
     print("-" * len(header))
-    base = sorted(sizes[baseline])[len(sizes[baseline]) // 2] if baseline in sizes else None
+    base = statistics.median(sizes[baseline]) if sizes.get(baseline) else None
     for name, values in sizes.items():
-        median = sorted(values)[len(values) // 2]
-        ratio = f"{median / base:.3f}x of the template" if base and name != baseline else ""
-        print(f"{name:<44}{len(values):>4}{median / MIB:>12.1f}{max(values) / MIB:>10.1f}  {ratio}")
+        median = statistics.median(values)
+        ratio = ""
+        if base and name != baseline and not name.startswith(("posix", "s3", "template")):
+            ratio = f"{median / base:.3f}x full copy"
+        print(
+            f"{name:<{width}}{len(values):>4}{median / MIB:>12.1f}"
+            f"{percentile([float(v) for v in values], 0.9) / MIB:>10.1f}"
+            f"{max(values) / MIB:>10.1f}  {ratio}"
+        )
+
+
+def baselines(times: dict[str, list[float]]) -> dict[str, str]:
+    baseline: dict[str, str] = {}
+    for backend in ("posix", "s3"):
+        baseline[f"{backend} seal"] = f"{backend} reflink copy of disk top"
+        baseline[f"{backend} first restore (template layers too)"] = f"{backend} restore warm"
+        for label in WRITES:
+            for kind in ("server", "visible"):
+                baseline[f"{backend} commit after {label} ({kind})"] = (
+                    f"{backend} capture after {label}"
+                )
+            baseline[f"{backend} restore cold after {label}"] = f"{backend} restore warm"
+    return {k: v for k, v in baseline.items() if k in times}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--big-runs", type=int, default=1, help="snapshots after 1 GiB written")
-    parser.add_argument("--skip-s3", action="store_true")
-    parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/agentenv-tests"))
-    parser.add_argument("--json", type=Path, default=ROOT / "bench/results/storage.json")
+    parser.add_argument("--skip-s3", action="store_true", help="the posix repository only")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("AENV_TEST_DIR", "/var/tmp/agentenv-tests")),
+        help="where the bench's servers keep their data (made reflink-capable)",
+    )
+    parser.add_argument("--json", type=Path, default=Path("bench/results/storage.json"))
     args = parser.parse_args()
-    prepare_data_dir(args.data_dir)
-    root = Path(tempfile.mkdtemp(prefix="bench-storage-", dir=args.data_dir))
-    times: dict[str, list[float]] = {}
-    sizes: dict[str, list[int]] = {}
+    if os.geteuid() != 0:
+        sys.exit("bench/storage.py must run as root")
+    if args.runs < 1 or args.big_runs < 0:
+        sys.exit("--runs must be at least 1 and --big-runs at least 0")
+
+    reflinks = prepare_data_dir(args.data_dir)
+    root = Path(tempfile.mkdtemp(prefix="aenv-bench-storage-", dir=args.data_dir))
+    scratch = root / "scratch"
+    scratch.mkdir()
+    out = Results()
+    started = time.perf_counter()
+
+    def step(name: str, work: Callable[[], Any]) -> None:
+        """``work()``; a failure is reported and recorded, and the other parts go on."""
+        print(f"... {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            work()
+        except Exception as exc:
+            print(f"    {name} FAILED: {exc!r}", file=sys.stderr, flush=True)
+            out.info["failures"][name] = repr(exc)
+            return
+        print(f"    {name} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    def posix() -> None:
+        repository = root / "repository"
+        with node_pair(root, "posix", {"AENV_REPOSITORY": repository.as_uri()}) as (a, b):
+            step(
+                "posix repository",
+                lambda: bench_backend(
+                    "posix", a, b, lambda: du_bytes(repository), scratch, args, out
+                ),
+            )
+            step("disk space per sandbox", lambda: bench_disk_space(a, args, out))
+
+    def s3() -> None:
+        with start_s3_server(root / "s3") as server:
+            url = server.url("bench")
+            env = {**server.env, "AENV_REPOSITORY": url}
+            with node_pair(root, "s3", env) as (a, b):
+                step(
+                    "S3 repository",
+                    lambda: bench_backend(
+                        "s3", a, b, lambda: s3_bytes(server, url), scratch, args, out
+                    ),
+                )
+
+    problems: dict[str, list[str]] = {}
     try:
-        posix_url = (root / "repository").as_uri()
-        with nodes(root, "posix", {"AENV_REPOSITORY": posix_url}) as (a, b):
-            print("... posix", file=sys.stderr, flush=True)
-            t, s = bench_backend("posix", a, b, posix_url, None, args)
-            times |= t
-            sizes |= s
-            print("... disk space", file=sys.stderr, flush=True)
-            sizes |= bench_disk_space(a, args)
+        step("posix nodes", posix)
         if not args.skip_s3:
-            with start_s3_server(root / "s3") as s3:
-                s3_url = s3.url("bench")
-                with nodes(root, "s3", {**s3.env, "AENV_REPOSITORY": s3_url}) as (a, b):
-                    print("... s3", file=sys.stderr, flush=True)
-                    t, s = bench_backend("s3", a, b, s3_url, s3, args)
-                    times |= t
-                    sizes |= s
+            step("S3 nodes", s3)
     finally:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        for server in SERVERS:
+            problems[server.home.name] = log_problems(server.log_path)
+            if server.log_path.exists():
+                shutil.copyfile(
+                    server.log_path, args.json.with_suffix(f".{server.home.name}.server.log")
+                )
+        left = {
+            "vmm_pids": vmm_pids(str(root)),
+            "netns": sorted(
+                n
+                for n in netns_names()
+                for s in SERVERS
+                if n.startswith(f"ae{_instance_tag(s.home)}-")
+            ),
+        }
         shutil.rmtree(root, ignore_errors=True)
 
-    summary = {name: summarize(values) for name, values in times.items()}
-    baseline: dict[str, str] = {}
-    for backend in ("posix", "s3"):
-        baseline[f"{backend} seal"] = f"{backend} reflink of disk top"
-        baseline[f"{backend} restore cold"] = f"{backend} restore warm"
-        for label in SIZES:
-            for kind in ("server", "visible"):
-                baseline[f"{backend} commit after {label} ({kind})"] = (
-                    f"{backend} capture after {label}"
-                )
-    print()
-    print_table(summary, baseline, width=40)
-    print()
-    print_sizes(sizes, "template allocated (a full copy)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps({"times": summary, "raw_seconds": times, "bytes": sizes}, indent=2)
+    summary = {name: summarize(values) for name, values in out.times.items() if values}
+    print(
+        f"\nrepositories: posix{'' if args.skip_s3 else ', S3 (SeaweedFS)'}; "
+        f"data directory reflinks: {reflinks}; {time.perf_counter() - started:.0f}s in all"
     )
-    print(f"\nwrote {args.json}")
+    print()
+    print_table(summary, baselines(out.times), width=max(len(n) for n in summary) + 2)
+    print()
+    if out.sizes:
+        print_sizes(out.sizes, "template + its disk chain allocated (a full copy)")
+    problems = {k: v for k, v in problems.items() if v}
+    if problems:
+        print(f"\nserver log warnings/errors: { {k: v[:3] for k, v in problems.items()} }")
+    left = {k: v for k, v in left.items() if v}
+    if left:
+        print(f"\nleft over after the bench: {left}")
+    if out.info["failures"]:
+        print(f"\nFAILED parts (their rows are missing): {out.info['failures']}")
+    args.json.write_text(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "big_runs": args.big_runs,
+                "skip_s3": args.skip_s3,
+                "reflinks": reflinks,
+                "summary": summary,
+                "baselines": baselines(out.times),
+                "bytes": out.sizes,
+                "raw_seconds": out.times,
+                "failures": out.info["failures"],
+                "server_log_problems": problems,
+                "leftovers": left,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwritten {args.json}")
+
+
+def _instance_tag(home: Path) -> str:
+    from agentenv.config import Config
+
+    return Config.load(env={}, home=home).instance_tag
 
 
 if __name__ == "__main__":

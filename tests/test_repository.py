@@ -356,3 +356,25 @@ async def test_finer_chunks_store_a_scattered_change_cheaply(tmp_path: Path) -> 
     assert (tmp_path / "back").read_bytes() == bytes(data)
     with pytest.raises(ValueError):
         await blobs.push_file(store, src, chunk_size=1000)
+
+
+async def test_known_chunks_are_not_asked_about_and_gc_changes_the_epoch(
+    tmp_path: Path,
+) -> None:
+    store = open_store((tmp_path / "repo").as_uri(), {})
+    repo = Repository(store)
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(3 * 1024 * 1024))
+    known: set[str] = set()
+    await repo.push_file(src, chunk_size=1024 * 1024, known=known)
+    assert len(known) == 3
+    # A chunk the caller says is stored is not uploaded again, even if it is gone: the
+    # caller must forget what it knows when the epoch changes.
+    before = await repo.gc_epoch()
+    removed = await repo.collect_garbage(grace_s=0)
+    assert removed == (1, 3)  # nothing referenced the blob
+    assert await repo.gc_epoch() != before
+    again: set[str] = set()
+    digest = await repo.push_file(src, chunk_size=1024 * 1024, known=again)
+    await repo.pull_file(digest, tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == src.read_bytes()

@@ -23,7 +23,7 @@ from agentenv.orchestrator.errors import Conflict, NodeCacheFull, RepositoryUnav
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.objects import RepositoryError, open_store
-from agentenv.snapshots.publish import DigestMemo, Fetcher, Published, Publisher
+from agentenv.snapshots.publish import DigestMemo, Fetcher, KnownChunks, Published, Publisher
 from agentenv.snapshots.repository import Repository
 
 log = logging.getLogger("agentenv.catalog")
@@ -52,7 +52,12 @@ class Catalog:
         self.repository = Repository(open_store(config.repository_url, _environ()))
         self.cache = NodeCache(config.cache_dir, config.cache_bytes)
         self.memo = DigestMemo(config.cache_dir / "digests.json")
-        self.publisher = Publisher(self.repository, self.memo, config.image_cache)
+        self.publisher = Publisher(
+            self.repository,
+            self.memo,
+            config.image_cache,
+            KnownChunks(config.cache_dir / "known-chunks.json"),
+        )
         self.fetcher = Fetcher(self.repository, self.cache, self.memo, config.image_cache, pinned)
         self._fetching: dict[str, asyncio.Lock] = {}
 

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,12 +136,15 @@ async def push_file(
     *,
     chunk_size: int = CHUNK_SIZE,
     progress: Progress | None = None,
+    known: MutableSet[str] | None = None,
 ) -> str:
     """Store ``path`` as a blob and return its digest. Chunks already in the store are not
     uploaded again. ``progress(done, total)`` is called in file bytes. The file must not
     change while it is pushed. ``chunk_size`` (a multiple of 4 KiB, at most
     :data:`CHUNK_SIZE`) trades objects per blob against what a small change costs: RAM
-    images change in scattered pages, so they are cut finer than disk layers."""
+    images change in scattered pages, so they are cut finer than disk layers. ``known``
+    holds hashes of chunks the caller knows to be stored (they are not asked about) and
+    gets the ones this push stored or found."""
     if chunk_size <= 0 or chunk_size % 4096 or chunk_size > CHUNK_SIZE:
         raise ValueError(f"chunk size must be a multiple of 4 KiB up to {CHUNK_SIZE}")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -154,9 +157,12 @@ async def push_file(
         async def upload(offset: int, length: int, data: bytes, h: str) -> None:
             nonlocal done
             try:
-                key = chunk_key(h)
-                if not await store.exists(key):
-                    await store.put_bytes_if_absent(key, data)
+                if known is None or h not in known:
+                    key = chunk_key(h)
+                    if not await store.exists(key):
+                        await store.put_bytes_if_absent(key, data)
+                    if known is not None:
+                        known.add(h)
             finally:
                 slots.release()
             done += length

@@ -101,18 +101,50 @@ class Published:
     blobs: dict[str, str]
 
 
+class KnownChunks:
+    """Chunks this node knows the repository holds (it stored or found them), so a
+    commit does not ask about each again: after a small change most of a RAM image's
+    chunks are old ones. Forgotten whenever the repository's garbage collection has run
+    (its epoch changed), since chunks may be gone since."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.epoch: str | None = None
+        self.chunks: set[str] = set()
+        try:
+            data = json.loads(path.read_text())
+            self.epoch, self.chunks = str(data["epoch"]), set(data["chunks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    def check_epoch(self, epoch: str) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.chunks = epoch, set()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"epoch": self.epoch, "chunks": sorted(self.chunks)}))
+        os.replace(tmp, self.path)
+
+
 class Publisher:
-    def __init__(self, repository: Repository, memo: DigestMemo, image_cache: Path) -> None:
+    def __init__(
+        self, repository: Repository, memo: DigestMemo, image_cache: Path, known: KnownChunks
+    ) -> None:
         self.repository = repository
         self.memo = memo
         self.image_cache = image_cache
+        self.known = known
         self._images_pushed: set[str] = set()
 
     async def push(self, path: Path, *, chunk_size: int = CHUNK_SIZE) -> str:
         digest = self.memo.get(path)
         if digest is not None and await self.repository.blob_exists(digest):
             return digest
-        digest = await self.repository.push_file(path, chunk_size=chunk_size)
+        digest = await self.repository.push_file(
+            path, chunk_size=chunk_size, known=self.known.chunks
+        )
         self.memo.put(path, digest)
         return digest
 
@@ -153,6 +185,19 @@ class Publisher:
         """Push ``snap``'s files (or the given replacements: a paused sandbox's frozen
         state, RAM and disk top) and return its manifest. Nothing is recorded: the caller
         commits by writing a catalog record that names the blobs."""
+        self.known.check_epoch(await self.repository.gc_epoch())
+        try:
+            return await self._publish(snap, state_file, memory_file, disk)
+        finally:
+            self.known.save()
+
+    async def _publish(
+        self,
+        snap: MachineSnapshot,
+        state_file: Path | None,
+        memory_file: Path | None,
+        disk: Path | None,
+    ) -> Published:
         state = state_file or snap.files.state_file
         memory = memory_file or snap.files.memory_file
         top = disk or snap.disk

@@ -19,6 +19,8 @@ import hashlib
 import json
 import logging
 import re
+import secrets
+from collections.abc import MutableSet
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -38,6 +40,9 @@ _MAX_NAME = 200
 _MAX_QUOTED = 200
 # Records fetched at once by list_records.
 _PARALLEL = 8
+
+
+GC_EPOCH_KEY = "gc-epoch"
 
 
 def _check_id(record_id: str) -> None:
@@ -186,8 +191,11 @@ class Repository:
         progress: blobs.Progress | None = None,
         *,
         chunk_size: int = blobs.CHUNK_SIZE,
+        known: MutableSet[str] | None = None,
     ) -> str:
-        return await blobs.push_file(self.store, path, chunk_size=chunk_size, progress=progress)
+        return await blobs.push_file(
+            self.store, path, chunk_size=chunk_size, progress=progress, known=known
+        )
 
     async def pull_file(
         self, digest: str, dest: Path, progress: blobs.Progress | None = None
@@ -201,6 +209,14 @@ class Repository:
         return await blobs.blob_size(self.store, digest)
 
     # Garbage collection -------------------------------------------------------------
+
+    async def gc_epoch(self) -> str:
+        """Changes whenever garbage collection runs: chunks known to be stored before
+        may be gone after."""
+        try:
+            return (await self.store.get_bytes(GC_EPOCH_KEY)).decode()
+        except ObjectNotFound:
+            return ""
 
     async def _old_enough(self, key: str, grace_s: float) -> bool:
         if grace_s <= 0:
@@ -219,7 +235,9 @@ class Repository:
         chunks removed).
 
         Not safe against a concurrent push that reuses a chunk only an unreferenced blob
-        held: run it when no pushes are in progress."""
+        held: run it when no pushes are in progress. Starts a new :meth:`gc_epoch`, so
+        that nodes forget which chunks they knew to be stored."""
+        await self.store.put_bytes(GC_EPOCH_KEY, secrets.token_hex(8).encode())
         records = await self._records("catalog/")
         referenced: set[str] = set()
         for key, record in records.items():
