@@ -71,6 +71,7 @@ WRITES = {"0": 0, "100MiB": 100, "1GiB": 1024}
 RESTORED = ("0", "100MiB")  # the snapshots restored cold and warm on the second node
 POLL_S = 0.02
 SERVERS: list[ServerProcess] = []  # every server started, for their logs
+DIED: dict[str, int] = {}  # servers that exited during the bench: their exit codes
 
 # linux/fs.h, linux/fiemap.h
 _FS_IOC_FIEMAP = 0xC020660B
@@ -262,6 +263,11 @@ def node_pair(root: Path, backend: str, env: dict[str, str]) -> Iterator[tuple[N
         finally:
             for node in nodes:
                 node.close()
+            for server in servers:
+                code = server.proc.poll() if server.proc is not None else None
+                if code is not None:  # it should still be serving
+                    DIED[server.home.name] = code
+                    print(f"    server {server.home.name} exited with {code}", file=sys.stderr)
 
 
 # -- the measurements ---------------------------------------------------------------
@@ -531,6 +537,8 @@ def main() -> None:
     problems = {k: v for k, v in problems.items() if v}
     if problems:
         print(f"\nserver log warnings/errors: { {k: v[:3] for k, v in problems.items()} }")
+    if DIED:
+        print(f"\nservers that died during the bench (exit codes): {DIED}")
     left = {k: v for k, v in left.items() if v}
     if left:
         print(f"\nleft over after the bench: {left}")
@@ -550,6 +558,7 @@ def main() -> None:
                 "failures": out.info["failures"],
                 "server_log_problems": problems,
                 "leftovers": left,
+                "servers_died": DIED,
             },
             indent=2,
         )
