@@ -204,8 +204,16 @@ def test_identical_requests_join_and_disconnects_do_not_abort(server: ServerProc
                         lambda _: c.post(f"/sandboxes/{sandbox_id}/pause").status_code, range(3)
                     )
                 )
-            # One pause ran; the others joined it rather than answering "already paused".
-            assert pauses == [204, 204, 204]
+            # One pause ran. A request that overlapped it joined it (204); one that came
+            # after it finished finds the sandbox paused (409). Which of the two happens is
+            # up to thread scheduling here; tests/test_operations_unit.py pins the joining.
+            assert 204 in pauses and set(pauses) <= {204, 409}, pauses
+            paused_lines = [
+                line
+                for line in server.log_path.read_text(errors="replace").splitlines()
+                if f"sandbox {sandbox_id} paused in" in line
+            ]
+            assert len(paused_lines) == 1, paused_lines
             # A client that gives up at once does not abort the resume it started.
             with pytest.raises(httpx.TimeoutException):
                 c.post(f"/sandboxes/{sandbox_id}/connect", json={}, timeout=0.001)

@@ -4,7 +4,7 @@ sandboxes.
 Lifecycle: :meth:`Orchestrator.startup` (open the store, re-adopt or settle what a previous
 run left, start the reaper and the base template build), then requests, then
 :meth:`Orchestrator.shutdown`. Every state change of a sandbox happens here, in one
-operation at a time per sandbox (:meth:`Orchestrator._exclusive`), and is written to the
+operation at a time per sandbox (:class:`~.operations.SandboxOperations`), and is written to the
 store before the call returns.
 
 State machine (``SandboxRecord.state``)::
@@ -38,11 +38,10 @@ import shutil
 import sqlite3
 import string
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, cast
 
 import httpx
 
@@ -65,6 +64,7 @@ from agentenv.orchestrator.errors import (
     SnapshotNotFound,
     TemplateNotFound,
 )
+from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store, utcnow
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_manifest
@@ -83,7 +83,6 @@ from agentenv.vmm.base import (
 
 log = logging.getLogger("agentenv.orchestrator")
 
-T = TypeVar("T")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 VM_DIR = "vm"
@@ -316,8 +315,7 @@ class Orchestrator:
             trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
         )
         self._vms: dict[str, VirtualMachine] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._inflight: dict[tuple[str, str], asyncio.Task[object]] = {}
+        self._operations = SandboxOperations()
         # envd /init after a resume, which traffic to the sandbox waits for.
         self._settling: dict[str, asyncio.Task[None]] = {}
         # Paused sandboxes whose network namespace is kept for a while (config
@@ -400,7 +398,7 @@ class Orchestrator:
                     await task
         for lingering in self._lingering.values():
             lingering.cancel()
-        for op in list(self._inflight.values()):
+        for op in self._operations.pending():
             with contextlib.suppress(Exception):
                 await op
         if kill_sandboxes:
@@ -525,35 +523,6 @@ class Orchestrator:
         shutil.rmtree(rec.workdir, ignore_errors=True)
         self.store.delete_sandbox(rec.sandbox_id)
 
-    # -- one operation at a time per sandbox ---------------------------------------------
-    async def _exclusive(
-        self, sandbox_id: str, kind: str, work: Callable[[], Awaitable[T]], *, join: bool
-    ) -> T:
-        """Run ``work`` under the sandbox's lock, as a task of its own: the caller going
-        away (a client disconnect cancels its request) does not cancel the operation.
-        With ``join``, a caller asking for the same kind of operation while one is
-        queued or running gets that one's outcome instead of a second run."""
-        key = (sandbox_id, kind)
-        task = cast("asyncio.Task[T] | None", self._inflight.get(key) if join else None)
-        if task is None:
-
-            async def locked() -> T:
-                async with self._lock(sandbox_id):
-                    return await work()
-
-            task = asyncio.get_running_loop().create_task(locked())
-            if join:
-                self._inflight[key] = cast("asyncio.Task[object]", task)
-
-                def forget(done: asyncio.Task[object]) -> None:
-                    if self._inflight.get(key) is done:
-                        del self._inflight[key]
-
-                task.add_done_callback(forget)
-            else:
-                self._keep(cast("asyncio.Task[object]", task))
-        return await asyncio.shield(task)
-
     def _keep(self, task: asyncio.Task[object]) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -571,9 +540,6 @@ class Orchestrator:
 
     def _release_slot(self, slot: int) -> None:
         self._reserved_slots.discard(slot)
-
-    def _lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
     # -- queries -------------------------------------------------------------------------
     def _view(self, rec: SandboxRecord, *, with_children: bool = False) -> SandboxView:
@@ -617,10 +583,9 @@ class Orchestrator:
             with contextlib.suppress(Conflict):  # someone else resumed it first
                 await self.resume(sandbox_id)
         elif rec.state != "running":
-            for (sid, _), task in list(self._inflight.items()):
-                if sid == sandbox_id:
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(task)
+            for task in self._operations.pending(sandbox_id):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)
         settling = self._settling.get(sandbox_id)
         if settling is not None:
             with contextlib.suppress(Exception):
@@ -745,7 +710,7 @@ class Orchestrator:
             finally:
                 self._release_slot(slot)
 
-        return await self._exclusive(sandbox_id, "create", work, join=False)
+        return await self._operations.run(sandbox_id, "create", work, join=False)
 
     async def _create_locked(
         self,
@@ -880,7 +845,7 @@ class Orchestrator:
 
         On failure the VM keeps running (the driver resumes it) and so does the sandbox."""
         kind = "pause" if memory else "pause-filesystem"
-        return await self._exclusive(
+        return await self._operations.run(
             sandbox_id, kind, lambda: self._pause_locked(sandbox_id, memory), join=True
         )
 
@@ -950,7 +915,7 @@ class Orchestrator:
 
         async def release() -> None:
             await asyncio.sleep(self.config.network_linger)
-            async with self._lock(sandbox_id):
+            async with self._operations.lock(sandbox_id):
                 if self._lingering.get(sandbox_id) is not task:
                     return
                 del self._lingering[sandbox_id]
@@ -1003,7 +968,7 @@ class Orchestrator:
         the sandbox stays paused."""
         timeout = self.config.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
-        return await self._exclusive(
+        return await self._operations.run(
             sandbox_id, "resume", lambda: self._resume_locked(sandbox_id, timeout), join=True
         )
 
@@ -1179,7 +1144,7 @@ class Orchestrator:
             snap_rec = await self._capture(rec, kind, name, metadata or {}, snapshot_id)
             return SnapshotView(snap_rec)
 
-        view = await self._exclusive(sandbox_id, "snapshot", work, join=False)
+        view = await self._operations.run(sandbox_id, "snapshot", work, join=False)
         if wait_commit:
             try:
                 await self._commit_snapshot(view.snapshot_id)
@@ -1539,7 +1504,7 @@ class Orchestrator:
             rec = self._existing(sandbox_id)
             return rec, await self._capture(rec, "fork", None, {})
 
-        parent, image = await self._exclusive(sandbox_id, "fork", capture, join=False)
+        parent, image = await self._operations.run(sandbox_id, "fork", capture, join=False)
         try:
             snapshot = MachineSnapshot.load(image.snapshot_dir)
         except SnapshotError as exc:
@@ -1592,8 +1557,10 @@ class Orchestrator:
     async def kill(self, sandbox_id: str) -> None:
         """Remove a sandbox, after any operation in progress on it; joins a kill already
         in progress."""
-        await self._exclusive(sandbox_id, "kill", lambda: self._kill_locked(sandbox_id), join=True)
-        self._locks.pop(sandbox_id, None)
+        await self._operations.run(
+            sandbox_id, "kill", lambda: self._kill_locked(sandbox_id), join=True
+        )
+        self._operations.forget(sandbox_id)
 
     async def _kill_locked(self, sandbox_id: str) -> None:
         rec = self._existing(sandbox_id)
@@ -1690,7 +1657,7 @@ class Orchestrator:
     async def _freeze(self, sandbox_id: str) -> bool:
         """Copy (reflink) what a paused sandbox is made of, under its lock, so that its
         upload reads files a resume cannot change. False if it is no longer paused."""
-        async with self._lock(sandbox_id):
+        async with self._operations.lock(sandbox_id):
             rec = self.store.get_sandbox(sandbox_id)
             if rec is None or rec.state != "paused" or rec.disk_path is None:
                 return False
@@ -1824,7 +1791,7 @@ class Orchestrator:
                 raise Conflict(f"sandbox {sandbox_id} was resumed on node {holder}")
             await self._adopt_record(record)
 
-        await self._exclusive(sandbox_id, "adopt", work, join=True)
+        await self._operations.run(sandbox_id, "adopt", work, join=True)
         return await self.resume(sandbox_id, timeout)
 
     async def _adopt_record(self, record: dict[str, Any]) -> None:
@@ -1903,7 +1870,7 @@ class Orchestrator:
                 return
             if holder in (None, self.catalog.node):
                 continue
-            async with self._lock(rec.sandbox_id):
+            async with self._operations.lock(rec.sandbox_id):
                 current = self.store.get_sandbox(rec.sandbox_id)
                 if current is None or current.state != "paused":
                     continue
