@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -52,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentenv.snapshots.layout import MachineSnapshot
+from agentenv.storage.extents import unshared_bytes
 from agentenv.storage.images import backing_chain
 from bench.lifecycle import (
     api_client,
@@ -73,44 +72,8 @@ POLL_S = 0.02
 SERVERS: list[ServerProcess] = []  # every server started, for their logs
 DIED: dict[str, int] = {}  # servers that exited during the bench: their exit codes
 
-# linux/fs.h, linux/fiemap.h
-_FS_IOC_FIEMAP = 0xC020660B
-_FIEMAP_FLAG_SYNC = 0x1
-_FIEMAP_EXTENT_LAST = 0x1
-_FIEMAP_EXTENT_SHARED = 0x2000
-_FIEMAP_HEADER = struct.Struct("=QQIIII")  # start, length, flags, mapped, count, reserved
-_FIEMAP_EXTENT = struct.Struct("=QQQQQIIII")  # logical, physical, length, 2 reserved, flags
-_EXTENTS_PER_CALL = 256
-
 
 # -- bytes on disk ------------------------------------------------------------------
-def unshared_bytes(path: Path) -> int:
-    """Bytes of ``path`` in extents that no other file (or snapshot of one) shares:
-    what deleting it would free. Dirty pages are written back first (FIEMAP_FLAG_SYNC),
-    so the figure is what the file costs once on disk."""
-    total, start = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            header = _FIEMAP_HEADER.pack(
-                start, 2**64 - 1 - start, _FIEMAP_FLAG_SYNC, 0, _EXTENTS_PER_CALL, 0
-            )
-            buf = bytearray(header + bytes(_FIEMAP_EXTENT.size * _EXTENTS_PER_CALL))
-            fcntl.ioctl(f.fileno(), _FS_IOC_FIEMAP, buf)
-            mapped = _FIEMAP_HEADER.unpack_from(buf)[3]
-            if mapped == 0:
-                return total
-            for i in range(mapped):
-                extent = _FIEMAP_EXTENT.unpack_from(
-                    buf, _FIEMAP_HEADER.size + i * _FIEMAP_EXTENT.size
-                )
-                logical, length, flags = extent[0], extent[2], extent[5]
-                if not flags & _FIEMAP_EXTENT_SHARED:
-                    total += length
-                if flags & _FIEMAP_EXTENT_LAST:
-                    return total
-                start = logical + length
-
-
 def _files(directory: Path) -> Iterator[Path]:
     """Regular files under ``directory``, each inode once."""
     seen: set[tuple[int, int]] = set()
@@ -376,7 +339,8 @@ def bench_backend(
 
 def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
     """Unshared bytes of a sandbox's directory: just created, after 100 MiB written,
-    after a snapshot of that."""
+    after a snapshot of that, paused (its RAM file reshared with the template's); and of
+    the snapshot's directory once the sandbox is gone."""
     manifests = sorted((a.home / "templates" / "base").glob("*/snapshot.json"))
     template_dir = manifests[-1].parent
     template_files = list(_files(template_dir))
@@ -403,8 +367,15 @@ def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
             if local.is_dir():
                 out.size("  that snapshot's own dir: unshared", unshared_tree_bytes(local))
             a.committed(snapshot_id)  # its commit reads the files: not under the next run
+            a.log_match(rf"snapshot {snapshot_id}: RAM file shares")
+            expect(a.client.post(f"/sandboxes/{sandbox_id}/pause"), 204)
+            a.log_match(rf"sandbox {sandbox_id} \(paused\): RAM file shares")
+            out.size("paused, RAM file reshared: unshared", unshared_tree_bytes(workdir))
         finally:
             a.kill(sandbox_id)
+        if local.is_dir():
+            # What the snapshot costs for as long as it is kept.
+            out.size("  that snapshot's dir, sandbox gone: unshared", unshared_tree_bytes(local))
 
 
 # -- output -------------------------------------------------------------------------

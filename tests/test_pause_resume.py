@@ -9,6 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.storage.clone import supports_reflink
+from agentenv.storage.extents import unshared_bytes
 from tests.e2b.support import sdk_client, wait_until
 from tests.helpers import COUNTER, ServerProcess, live_server, netns_names, run_command, vmm_pids
 
@@ -140,3 +142,48 @@ def test_filesystem_pause_keeps_disk_and_restarts_processes(server: ServerProces
         assert again.files.read("/home/user/on-disk.txt") == "kept"
     finally:
         sbx.kill()
+
+
+def _pages_differing(a: Path, b: Path) -> int:
+    """Bytes in 4 KiB pages whose content differs between two files of one size."""
+    page, differing = 4096, 0
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while block_a := fa.read(1 << 20):
+            block_b = fb.read(len(block_a))
+            if block_a != block_b:
+                differing += sum(
+                    page
+                    for i in range(0, len(block_a), page)
+                    if block_a[i : i + page] != block_b[i : i + page]
+                )
+    return differing
+
+
+def test_paused_ram_file_shares_what_it_did_not_change(server: ServerProcess) -> None:
+    """A guest zeroes pages that were zero already, which unshares them from the
+    template's RAM file; after a pause they are shared again, content untouched."""
+    if not supports_reflink(server.home):
+        pytest.skip(f"{server.home} cannot reflink: sandbox RAM is not a file of its own")
+    (template_memory,) = (server.home / "templates" / "base").glob("*/memory.raw")
+    with server.client() as c:
+        created = c.post("/sandboxes", json={"templateID": "base", "timeout": 300})
+        sandbox_id = created.json()["sandboxID"]
+        try:
+            # The guest's RAM: pages allocated (zeroed) and freed, and 8 MB of new data.
+            script = (
+                "head -c 20000000 /dev/zero > /dev/shm/z && rm /dev/shm/z && "
+                "head -c 8000000 /dev/urandom > /dev/shm/r && md5sum /dev/shm/r"
+            )
+            out = run_command(server.url, sandbox_id, script)
+            assert out.exit_code == 0, out
+            memory = server.home / "sandboxes" / sandbox_id / "memory.raw"
+            assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+            line = f"sandbox {sandbox_id} (paused): RAM file shares"
+            wait_until(lambda: line in server.log_path.read_text(errors="replace"), line, 120)
+            # Every block it does not share is a page that really changed.
+            assert unshared_bytes(memory) <= _pages_differing(template_memory, memory)
+            assert c.post(f"/sandboxes/{sandbox_id}/connect", json={}).status_code == 201
+            again = run_command(server.url, sandbox_id, "md5sum /dev/shm/r")
+            assert again.stdout == out.stdout
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")

@@ -29,6 +29,7 @@ RAM is a private copy-on-write mapping of the source's image, and pausing stream
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -37,6 +38,7 @@ import secrets
 import shutil
 import sqlite3
 import string
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -69,6 +71,7 @@ from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store, ut
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_manifest
 from agentenv.storage.clone import clone_file, flush_file, make_durable, supports_reflink
+from agentenv.storage.extents import reshare
 from agentenv.storage.images import DiskFormat, backing_chain, flatten, writable_disk
 from agentenv.vmm.base import (
     DriveSpec,
@@ -148,6 +151,16 @@ class _PhaseTimer:
         total = (self._last - self._start) * 1000
         parts = ", ".join(f"{k} {v * 1000:.0f}" for k, v in self.phases.items())
         return f"{total:.0f} ms ({parts})"
+
+
+MIB = 1024 * 1024
+
+
+def _lower_thread_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (Linux nice values are per
+    thread): background work that must not slow requests."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _committed(snapshot_dir: Path) -> bool:
@@ -324,6 +337,11 @@ class Orchestrator:
         self._background: set[asyncio.Task[object]] = set()
         # Snapshot directories whose disk chain is being flattened.
         self._flattening: set[Path] = set()
+        # One low-priority thread gives back the blocks RAM files needlessly unshared.
+        self._resharing = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="aenv-reshare", initializer=_lower_thread_priority
+        )
+        self._reflinks = False
         self._reserved_slots: set[int] = set()
         self.templates = TemplateManager(
             config,
@@ -357,7 +375,7 @@ class Orchestrator:
             self.config.snapshots_dir,
         ):
             d.mkdir(parents=True, exist_ok=True)
-        reflinks = supports_reflink(self.config.sandboxes_dir)
+        reflinks = self._reflinks = supports_reflink(self.config.sandboxes_dir)
         wanted = self.config.sandbox_memory
         self.own_memory_files = self.driver.shared_memory_boot and (
             wanted == "file" or (wanted == "auto" and reflinks)
@@ -408,6 +426,7 @@ class Orchestrator:
         for vm in self._vms.values():
             await vm.close()
         self._vms.clear()
+        self._resharing.shutdown(wait=False, cancel_futures=True)
         await self.http.aclose()
         self.store.close()
         self._started = False
@@ -876,6 +895,7 @@ class Orchestrator:
         await vm.kill()
         phases.mark("vm")
         self._prepare_upload(rec, files)
+        self._reshare_later(rec, files.memory_file, f"sandbox {sandbox_id} (paused)")
         # The pause is complete once saved and the VMM is gone; the network namespace
         # follows a little later unless a resume takes it back first.
         self._release_network_later(rec)
@@ -1111,6 +1131,35 @@ class Orchestrator:
         except SnapshotError as exc:
             raise OperationFailed(f"source of sandbox {rec.sandbox_id}: {exc}") from exc
 
+    def _reshare_later(self, rec: SandboxRecord, memory: Path | None, what: str) -> None:
+        """In the background, make the RAM file ``memory`` (a paused sandbox's or a
+        snapshot's) share again the blocks it holds unchanged from the RAM file of the
+        sandbox's source: those the guest rewrote with the same bytes, above all the pages
+        it zeroed that were zero already (see :mod:`agentenv.storage.extents`)."""
+        if not self._reflinks or memory is None:
+            return
+        try:
+            like = self._source_snapshot(rec).files.memory_file
+        except OperationFailed:
+            return
+        if like is None:
+            return
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                if os.path.samefile(memory, like):
+                    return
+                shared = await loop.run_in_executor(self._resharing, reshare, memory, like)
+            except FileNotFoundError:
+                return  # gone meanwhile (killed, deleted)
+            except OSError as exc:
+                log.warning("%s: resharing its RAM file failed: %s", what, exc)
+                return
+            log.info("%s: RAM file shares %.1f MiB more with its source", what, shared / MIB)
+
+        self._keep(asyncio.get_running_loop().create_task(run()))
+
     # -- snapshots and forks ---------------------------------------------------------------
     async def snapshot(
         self,
@@ -1261,6 +1310,7 @@ class Orchestrator:
         # safe from a power loss, a moment later.
         durable = [disk, *([files.memory_file] if files.memory_file else []), files.state_file]
         self._keep(asyncio.get_running_loop().create_task(self._make_durable(durable)))
+        self._reshare_later(rec, files.memory_file, f"snapshot {snapshot_id}")
         if depth > MAX_DISK_CHAIN and not any(p.parent in self._flattening for p in chain):
             self._keep(asyncio.get_running_loop().create_task(self._flatten(directory)))
         log.info("sandbox %s: %s %s taken in %s", rec.sandbox_id, kind, snapshot_id, phases)
