@@ -38,7 +38,6 @@ import secrets
 import shutil
 import sqlite3
 import string
-import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -154,13 +153,6 @@ class _PhaseTimer:
 
 
 MIB = 1024 * 1024
-
-
-def _lower_thread_priority() -> None:
-    """Run the calling thread at the lowest CPU priority (Linux nice values are per
-    thread): background work that must not slow requests."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _committed(snapshot_dir: Path) -> bool:
@@ -337,9 +329,10 @@ class Orchestrator:
         self._background: set[asyncio.Task[object]] = set()
         # Snapshot directories whose disk chain is being flattened.
         self._flattening: set[Path] = set()
-        # One low-priority thread gives back the blocks RAM files needlessly unshared.
+        # One thread gives back the blocks RAM files needlessly unshared. Not niced: it
+        # takes the GIL, and a starved holder would stall the event loop.
         self._resharing = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="aenv-reshare", initializer=_lower_thread_priority
+            1, thread_name_prefix="aenv-reshare"
         )
         self._reflinks = False
         self._reserved_slots: set[int] = set()
@@ -1151,8 +1144,8 @@ class Orchestrator:
                 if os.path.samefile(memory, like):
                     return
                 shared = await loop.run_in_executor(self._resharing, reshare, memory, like)
-            except FileNotFoundError:
-                return  # gone meanwhile (killed, deleted)
+            except (FileNotFoundError, RuntimeError):
+                return  # gone meanwhile (killed, deleted), or the server is shutting down
             except OSError as exc:
                 log.warning("%s: resharing its RAM file failed: %s", what, exc)
                 return
@@ -1310,7 +1303,9 @@ class Orchestrator:
         # safe from a power loss, a moment later.
         durable = [disk, *([files.memory_file] if files.memory_file else []), files.state_file]
         self._keep(asyncio.get_running_loop().create_task(self._make_durable(durable)))
-        self._reshare_later(rec, files.memory_file, f"snapshot {snapshot_id}")
+        if kind != "fork":
+            # A fork image is short-lived and its children are starting from it now.
+            self._reshare_later(rec, files.memory_file, f"snapshot {snapshot_id}")
         if depth > MAX_DISK_CHAIN and not any(p.parent in self._flattening for p in chain):
             self._keep(asyncio.get_running_loop().create_task(self._flatten(directory)))
         log.info("sandbox %s: %s %s taken in %s", rec.sandbox_id, kind, snapshot_id, phases)

@@ -36,10 +36,11 @@ _DEDUPE_RANGE = struct.Struct("=QQHHI")  # src offset, src length, dest count, 2
 _DEDUPE_INFO = struct.Struct("=qQQiI")  # dest fd, dest offset, bytes deduped, status, reserved
 _DEDUPE_DIFFERS = 1
 # Pages are compared at the filesystem's usual block size; a run of equal pages is one
-# call, at most _MAX_DEDUPE bytes (the kernel caps a call at 16 MiB on some filesystems).
+# call, at most _MAX_DEDUPE bytes: a call holds the file's locks, and a VM faulting in
+# pages of it waits meanwhile.
 PAGE = 4096
 _READ = 1024 * 1024
-_MAX_DEDUPE = 16 * 1024 * 1024
+_MAX_DEDUPE = 2 * 1024 * 1024
 # The filesystem (or this pair of files) cannot share extents.
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL)
 
@@ -127,6 +128,9 @@ def _dedupe(source_fd: int, dest_fd: int, offset: int, length: int) -> int:
 
 def _equal_runs(source: bytes, dest: bytes, base: int) -> Iterator[tuple[int, int]]:
     """Runs ``(offset, length)`` of whole pages equal in the two buffers."""
+    if source == dest:
+        yield base, len(dest)
+        return
     start: int | None = None
     pos = 0
     for pos in range(0, len(dest), PAGE):
