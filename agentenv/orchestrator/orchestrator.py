@@ -1128,8 +1128,12 @@ class Orchestrator:
         """In the background, make the RAM file ``memory`` (a paused sandbox's or a
         snapshot's) share again the blocks it holds unchanged from the RAM file of the
         sandbox's source: those the guest rewrote with the same bytes, above all the pages
-        it zeroed that were zero already (see :mod:`agentenv.storage.extents`)."""
-        if not self._reflinks or memory is None:
+        it zeroed that were zero already (see :mod:`agentenv.storage.extents`).
+
+        Only for sandboxes whose RAM is a file of their own: their RAM files are mapped
+        shared by their own VM or cloned, never mapped privately by others (fork images
+        and private-memory machines are left alone)."""
+        if not self._reflinks or memory is None or rec.memory_mode != "shared":
             return
         try:
             like = self._source_snapshot(rec).files.memory_file
