@@ -199,6 +199,18 @@ class Node:
         found = self.log_match(rf"snapshot {snapshot_id} committed to \S+ in (\d+) ms")
         return int(found.group(1)) / 1000
 
+    def pause_committed(self, sandbox_id: str, timeout: float = 900) -> None:
+        """Wait until a paused sandbox's upload is done (its frozen copy removed)."""
+        deadline = time.monotonic() + timeout
+        while (
+            not expect(self.client.get(f"/sandboxes/{sandbox_id}"), 200)
+            .json()
+            .get("pauseCommitted")
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sandbox {sandbox_id}: pause not committed in {timeout}s")
+            time.sleep(POLL_S)
+
     def disk_top(self, sandbox_id: str) -> Path:
         """The sandbox's writable disk image (the one its VMM has open)."""
         workdir = self.home / "sandboxes" / sandbox_id
@@ -339,8 +351,9 @@ def bench_backend(
 
 def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
     """Unshared bytes of a sandbox's directory: just created, after 100 MiB written,
-    after a snapshot of that, paused (its RAM file reshared with the template's); and of
-    the snapshot's directory once the sandbox is gone."""
+    after a snapshot of that, paused (its RAM file reshared with the template's); of the
+    snapshot's directory once the sandbox is gone; and of an idle sandbox before and after
+    a pause."""
     manifests = sorted((a.home / "templates" / "base").glob("*/snapshot.json"))
     template_dir = manifests[-1].parent
     template_files = list(_files(template_dir))
@@ -370,12 +383,25 @@ def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
             a.log_match(rf"snapshot {snapshot_id}: RAM file shares")
             expect(a.client.post(f"/sandboxes/{sandbox_id}/pause"), 204)
             a.log_match(rf"sandbox {sandbox_id} \(paused\): RAM file shares")
+            a.pause_committed(sandbox_id)
             out.size("paused, RAM file reshared: unshared", unshared_tree_bytes(workdir))
         finally:
             a.kill(sandbox_id)
         if local.is_dir():
             # What the snapshot costs for as long as it is kept.
             out.size("  that snapshot's dir, sandbox gone: unshared", unshared_tree_bytes(local))
+        # A sandbox that only started: what a pause leaves once its RAM file is reshared.
+        idle = a.create()
+        try:
+            a.sh(idle, "echo ready")
+            workdir = a.home / "sandboxes" / idle
+            out.size("idle sandbox before pause: unshared", unshared_tree_bytes(workdir))
+            expect(a.client.post(f"/sandboxes/{idle}/pause"), 204)
+            a.log_match(rf"sandbox {idle} \(paused\): RAM file shares")
+            a.pause_committed(idle)
+            out.size("idle sandbox paused, reshared: unshared", unshared_tree_bytes(workdir))
+        finally:
+            a.kill(idle)
 
 
 # -- output -------------------------------------------------------------------------
