@@ -199,8 +199,11 @@ class Node:
         found = self.log_match(rf"snapshot {snapshot_id} committed to \S+ in (\d+) ms")
         return int(found.group(1)) / 1000
 
-    def pause_committed(self, sandbox_id: str, timeout: float = 900) -> None:
-        """Wait until a paused sandbox's upload is done (its frozen copy removed)."""
+    def pause_reshared(self, sandbox_id: str, timeout: float = 900) -> None:
+        """Pause, then wait until the RAM file is reshared and the upload is done (its
+        frozen copy, which keeps the old blocks, removed)."""
+        expect(self.client.post(f"/sandboxes/{sandbox_id}/pause"), 204)
+        self.log_match(rf"sandbox {sandbox_id} \(paused\): RAM file shares", timeout)
         deadline = time.monotonic() + timeout
         while (
             not expect(self.client.get(f"/sandboxes/{sandbox_id}"), 200)
@@ -381,9 +384,7 @@ def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
                 out.size("  that snapshot's own dir: unshared", unshared_tree_bytes(local))
             a.committed(snapshot_id)  # its commit reads the files: not under the next run
             a.log_match(rf"snapshot {snapshot_id}: RAM file shares")
-            expect(a.client.post(f"/sandboxes/{sandbox_id}/pause"), 204)
-            a.log_match(rf"sandbox {sandbox_id} \(paused\): RAM file shares")
-            a.pause_committed(sandbox_id)
+            a.pause_reshared(sandbox_id)
             out.size("paused, RAM file reshared: unshared", unshared_tree_bytes(workdir))
         finally:
             a.kill(sandbox_id)
@@ -396,9 +397,7 @@ def bench_disk_space(a: Node, args: argparse.Namespace, out: Results) -> None:
             a.sh(idle, "echo ready")
             workdir = a.home / "sandboxes" / idle
             out.size("idle sandbox before pause: unshared", unshared_tree_bytes(workdir))
-            expect(a.client.post(f"/sandboxes/{idle}/pause"), 204)
-            a.log_match(rf"sandbox {idle} \(paused\): RAM file shares")
-            a.pause_committed(idle)
+            a.pause_reshared(idle)
             out.size("idle sandbox paused, reshared: unshared", unshared_tree_bytes(workdir))
         finally:
             a.kill(idle)
