@@ -47,6 +47,7 @@ _ENV_FIELDS: dict[str, str] = {
     "AENV_CACHE_SIZE": "cache_size",
     "AENV_NODE_ID": "node_id",
     "AENV_INSECURE_REGISTRIES": "insecure_registries",
+    "AENV_HONOUR_V1_SECURE_FLAG": "honour_v1_secure_flag",
 }
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -105,6 +106,10 @@ class Config:
     # Registries reached over plain HTTP / without TLS verification, comma-separated
     # (localhost ones always are).
     insecure_registries: str = ""
+    # E2B's v1 create (POST /sandboxes) secures a sandbox only when the body says
+    # "secure": true. Here every sandbox is secured unless this is set, which brings back
+    # E2B's v1 behaviour for clients that cannot handle an access token.
+    honour_v1_secure_flag: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     # -- derived paths -------------------------------------------------------------------
@@ -256,6 +261,13 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
     text = str(annotation)
+    if text == "bool" and not isinstance(value, bool):
+        word = str(value).strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
     try:
         if "Path" in text:
             return Path(value)

@@ -144,7 +144,8 @@ def bench_api(url: str, key: str, runs: int) -> dict[str, list[float]]:
             t1 = time.perf_counter()
             response.raise_for_status()
             sandbox_id = response.json()["sandboxID"]
-            result = run_command(url, sandbox_id, "echo ready")
+            token = response.json().get("envdAccessToken") or ""
+            result = run_command(url, sandbox_id, "echo ready", token=token)
             t2 = time.perf_counter()
             assert result.stdout == "ready\n", result
             k0 = time.perf_counter()

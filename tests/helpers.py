@@ -172,6 +172,57 @@ def kill_vmms(marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def raw_http(
+    port: int,
+    method: str,
+    target: str,
+    headers: dict[str, str],
+    body: bytes = b"",
+    *,
+    timeout: float = 60.0,
+) -> RawResponse:
+    """One HTTP/1.1 request written byte for byte as given (``target`` is not
+    normalised, unlike with httpx or curl without ``--path-as-is``), read to the end."""
+    lines = [f"{method} {target} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "host"]
+    if "host" in {k.lower() for k in headers}:
+        lines[1] = f"Host: {next(v for k, v in headers.items() if k.lower() == 'host')}"
+    lines.append(f"Content-Length: {len(body)}")
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    parsed = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        parsed[name.strip().lower()] = value.strip()
+    if parsed.get("transfer-encoding") == "chunked":
+        rest = _dechunk(rest)
+    return RawResponse(int(status_line.split(" ", 2)[1]), parsed, rest)
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out, data = out + data[:size], data[size + 2 :]
+    return out
+
+
 # -- Connect RPC (JSON codec), as the E2B SDK speaks it ------------------------------------
 def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
     body = json.dumps(message).encode()
@@ -195,6 +246,19 @@ class CommandResult:
     events: list[dict[str, Any]]
 
 
+def envd_token(base_url: str, sandbox_id: str, api_key: str = TEST_API_KEY) -> str | None:
+    """The sandbox's envd access token, as its detail reports it to the key holder."""
+    detail = httpx.get(
+        f"{base_url}/sandboxes/{sandbox_id}",
+        headers={"X-API-Key": api_key},
+        timeout=60,
+        trust_env=False,
+    )
+    assert detail.status_code == 200, detail.text
+    token = detail.json().get("envdAccessToken")
+    return str(token) if token else None
+
+
 def run_command(
     base_url: str,
     sandbox_id: str,
@@ -207,7 +271,11 @@ def run_command(
     timeout: float = 60.0,
 ) -> CommandResult:
     """Run ``command`` the way ``Sandbox.commands.run`` does: ``/bin/bash -l -c``,
-    through the server's proxy, routed by the ``E2b-Sandbox-Id`` header."""
+    through the server's proxy, routed by the ``E2b-Sandbox-Id`` header. Without a
+    ``token`` the sandbox's own is looked up (every sandbox is secured); ``token=""``
+    sends none."""
+    if token is None:
+        token = envd_token(base_url, sandbox_id)
     process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", command]}
     if envs:
         process["envs"] = envs

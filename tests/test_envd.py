@@ -83,10 +83,11 @@ class Envd:
     """One envd subprocess on 127.0.0.1."""
 
     def __init__(self) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port: int = probe.getsockname()[1]
+        self.port = _free_port()
+        self.control_port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        #: Where /init is served: envd's control port, the node's only.
+        self.control_url = f"http://127.0.0.1:{self.control_port}"
         env = {**os.environ, **LEAKY_ENV}
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{LEAKY_ENV['PYTHONPATH']}"
         self.proc = subprocess.Popen(
@@ -96,6 +97,8 @@ class Envd:
                 "agentenv.envd",
                 "--port",
                 str(self.port),
+                "--control-port",
+                str(self.control_port),
                 "--host",
                 "127.0.0.1",
                 "--no-system-changes",
@@ -132,6 +135,13 @@ class Envd:
         if self.proc.stdout:
             self.proc.stdout.close()
         return self.proc.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 @pytest.fixture(scope="module")
@@ -233,12 +243,14 @@ def test_health_is_204(envd: Envd) -> None:
 
 
 def test_init_rejects_bad_bodies(envd: Envd) -> None:
-    assert httpx.post(f"{envd.url}/init", content=b"{nope").status_code == 400
-    bad_user = httpx.post(f"{envd.url}/init", json={"defaultUser": "no-such-user-envd"})
+    assert httpx.post(f"{envd.control_url}/init", content=b"{nope").status_code == 400
+    bad_user = httpx.post(f"{envd.control_url}/init", json={"defaultUser": "no-such-user-envd"})
     assert bad_user.status_code == 400
     assert "no-such-user-envd" in bad_user.json()["message"]
-    assert httpx.post(f"{envd.url}/init", json={"timestamp": "yesterday"}).status_code == 400
-    assert httpx.post(f"{envd.url}/init", json={"seed": "***"}).status_code == 400
+    assert (
+        httpx.post(f"{envd.control_url}/init", json={"timestamp": "yesterday"}).status_code == 400
+    )
+    assert httpx.post(f"{envd.control_url}/init", json={"seed": "***"}).status_code == 400
 
 
 async def test_init_env_vars_reach_processes(envd: Envd, client: ProcessClient) -> None:
@@ -247,10 +259,11 @@ async def test_init_env_vars_reach_processes(envd: Envd, client: ProcessClient) 
         "timestamp": "2026-01-02T03:04:05.123456789Z",
         "seed": base64.b64encode(b"entropy").decode(),
     }
-    async with httpx.AsyncClient(base_url=envd.url) as http:
-        assert (await http.post("/init", json=body)).status_code == 204
+    async with httpx.AsyncClient(base_url=envd.control_url) as control:
+        assert (await control.post("/init", json=body)).status_code == 204
         # Calling it again (as after every snapshot restore) is fine and merges.
-        assert (await http.post("/init", json={"envVars": {"OTHER": "x"}})).status_code == 204
+        assert (await control.post("/init", json={"envVars": {"OTHER": "x"}})).status_code == 204
+    async with httpx.AsyncClient(base_url=envd.url) as http:
         envs = (await http.get("/envs")).json()
     assert envs["ENVD_TEST_VAR"] == "from-init"
     assert envs["OTHER"] == "x"
@@ -531,8 +544,9 @@ async def test_stat(envd: Envd, tmp_path: Path) -> None:
 async def test_access_token_enforced(fresh_envd: Envd) -> None:
     url = fresh_envd.url
     token = {"X-Access-Token": "s3cret"}
+    async with httpx.AsyncClient(base_url=fresh_envd.control_url) as control:
+        assert (await control.post("/init", json={"accessToken": "s3cret"})).status_code == 204
     async with httpx.AsyncClient(base_url=url) as http:
-        assert (await http.post("/init", json={"accessToken": "s3cret"})).status_code == 204
         assert (await http.get("/health")).status_code == 204
         assert (await http.get("/envs")).status_code == 401
         assert (await http.get("/envs", headers={"X-Access-Token": "no"})).status_code == 401
@@ -544,6 +558,55 @@ async def test_access_token_enforced(fresh_envd: Envd) -> None:
         assert raised.value.code == Code.UNAUTHENTICATED
         events = await collect(c.start(bash("echo hi"), headers=token))
         assert output(events, "stdout") == b"hi\n"
+
+
+def test_init_is_served_on_the_control_port_only(fresh_envd: Envd) -> None:
+    """The public port (the one the proxy forwards to) has no /init at all, whatever the
+    path's spelling; the control port serves /init and nothing else."""
+    public, control = fresh_envd.url, fresh_envd.control_url
+    for path in ("/init", "/init/", "/files/../init", "//init", "/%69nit"):
+        # A raw socket: httpx would normalise some of these spellings away.
+        status = _raw_status(fresh_envd.port, "POST", path, b'{"defaultUser":"root"}')
+        assert status in (400, 401, 404), (path, status)
+    assert httpx.post(f"{control}/init", json={"accessToken": "tok"}).status_code == 204
+    # Now secured: the same spellings on the public port still do nothing.
+    for path in ("/init", "/files/../init"):
+        status = _raw_status(fresh_envd.port, "POST", path, b'{"accessToken":"mine"}')
+        assert status in (400, 401, 404), (path, status)
+    assert httpx.get(f"{public}/envs").status_code == 401
+    assert httpx.get(f"{public}/envs", headers={"X-Access-Token": "tok"}).status_code == 200
+    # The control port answers nothing but /init.
+    for path in ("/envs", "/health", "/files", "/process.Process/List"):
+        assert httpx.get(f"{control}{path}").status_code == 404, path
+    assert httpx.get(f"{control}/init").status_code == 405
+
+
+def test_an_empty_token_never_switches_checking_off(fresh_envd: Envd) -> None:
+    control, public = fresh_envd.control_url, fresh_envd.url
+    assert httpx.post(f"{control}/init", json={"accessToken": "tok"}).status_code == 204
+    for empty in ("", "  "):
+        refused = httpx.post(f"{control}/init", json={"accessToken": empty})
+        assert refused.status_code == 400, refused.text
+        assert "accessToken" in refused.json()["message"]
+    assert httpx.get(f"{public}/envs").status_code == 401
+    assert httpx.get(f"{public}/envs", headers={"X-Access-Token": ""}).status_code == 401
+    assert httpx.get(f"{public}/envs", headers={"X-Access-Token": "tok"}).status_code == 200
+
+
+def _raw_status(port: int, method: str, path: str, body: bytes) -> int:
+    """The status envd answers to a request sent byte for byte as written."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            f"{method} {path} HTTP/1.1\r\nHost: envd\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        head = b""
+        while b"\r\n" not in head:
+            chunk = sock.recv(4096)
+            assert chunk, f"envd closed the connection without answering {path}"
+            head += chunk
+    return int(head.split(b" ", 2)[1])
 
 
 def test_sigterm_exits_cleanly(fresh_envd: Envd) -> None:
@@ -574,6 +637,8 @@ def test_init_request_parsing() -> None:
         InitRequest.from_json({"timestamp": "2026-01-02T03:04:05"})  # no offset
     with pytest.raises(InitError):
         InitRequest.from_json([])
+    with pytest.raises(InitError, match="accessToken"):
+        InitRequest.from_json({"accessToken": ""})
 
 
 SEGV_CORE = "signal: segmentation fault (core dumped)"
@@ -892,7 +957,9 @@ def test_files_signatures(fresh_envd: Envd, tmp_path: Path) -> None:
     target = tmp_path / "signed.txt"
     target.write_bytes(b"signed")
     url = f"{fresh_envd.url}/files"
-    assert httpx.post(f"{fresh_envd.url}/init", json={"accessToken": "tok"}).status_code == 204
+    assert (
+        httpx.post(f"{fresh_envd.control_url}/init", json={"accessToken": "tok"}).status_code == 204
+    )
     path = str(target)
     assert httpx.get(url, params={"path": path}).status_code == 401
     assert (

@@ -252,7 +252,10 @@ def create_app(
         body: NewSandbox,
         idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
     ) -> Sandbox:
-        return await _create(body, body.secure, idempotency_key)
+        # E2B's v1 secures only on request; here it is always secured unless the server
+        # was told to honour the flag (config honour_v1_secure_flag).
+        secure = body.secure or not orchestrator.config.honour_v1_secure_flag
+        return await _create(body, secure, idempotency_key)
 
     @app.post(
         "/v2/sandboxes",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .server import DEFAULT_HOST, DEFAULT_PORT, ServerOptions, run
+from .server import DEFAULT_CONTROL_PORT, DEFAULT_HOST, DEFAULT_PORT, ServerOptions, run
 
 
 def parse_args(argv: list[str] | None = None) -> ServerOptions:
@@ -15,7 +15,13 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         "protocol (Connect RPC process.Process / filesystem.Filesystem, /health, /init).",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="public port (E2B's envd)")
+    parser.add_argument(
+        "--control-port",
+        type=int,
+        default=DEFAULT_CONTROL_PORT,
+        help="port serving /init, for the node only (never proxied)",
+    )
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -29,11 +35,15 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         "(for running envd outside a guest, e.g. in tests)",
     )
     args = parser.parse_args(argv)
-    if not 0 < args.port < 65536:
-        parser.error(f"--port {args.port} is not a TCP port")
+    for flag, port in (("--port", args.port), ("--control-port", args.control_port)):
+        if not 0 < port < 65536:
+            parser.error(f"{flag} {port} is not a TCP port")
+    if args.port == args.control_port:
+        parser.error("--port and --control-port must differ")
     return ServerOptions(
         host=args.host,
         port=args.port,
+        control_port=args.control_port,
         log_level=args.log_level,
         manage_system=not args.no_system_changes,
     )

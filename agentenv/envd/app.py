@@ -1,10 +1,13 @@
 """envd's ASGI application: a small router in front of connectrpc's applications.
 
-``/process.Process/*`` and ``/filesystem.Filesystem/*`` go to the Connect services,
-``/files`` to the file transfer handler; the other plain HTTP endpoints (``/health``,
-``/init``, ``/envs``, ``/metrics``) are answered here. Once /init has set an access token
-every request must carry it in ``X-Access-Token``, except /health, /init and /files
-(which also accepts a URL signature, checked by the handler).
+On the public port, ``/process.Process/*`` and ``/filesystem.Filesystem/*`` go to the
+Connect services, ``/files`` to the file transfer handler, and ``/health``, ``/envs`` and
+``/metrics`` are answered here. Once /init has set an access token every request must carry
+it in ``X-Access-Token``, except /health and /files (which also accepts a URL signature,
+checked by the handler).
+
+``/init`` is served on the control port only, and that port serves nothing else: it is
+the orchestrator's, and the node's proxy never forwards to it (see ``server``).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PROCESS_PREFIX = "/process.Process/"
 FILESYSTEM_PREFIX = "/filesystem.Filesystem/"
-#: Paths that never need the access token.
-TOKEN_EXEMPT_PATHS = frozenset({"/health", "/init", "/files"})
+#: Public-port paths that never need the access token (matched exactly).
+TOKEN_EXEMPT_PATHS = frozenset({"/health", "/files"})
 #: /init bodies are a few env vars and a token; anything this large is a mistake.
 MAX_INIT_BODY = 1 << 20
 
@@ -46,8 +49,10 @@ class EnvdApp:
         *,
         process_app: ASGIApp,
         filesystem_app: ASGIApp,
+        control_port: int,
     ) -> None:
         self.state = state
+        self.control_port = control_port
         self.registry = registry
         self._process_app = process_app
         self._filesystem_app = filesystem_app
@@ -76,6 +81,10 @@ class EnvdApp:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
+        server = scope.get("server") or (None, None)
+        if server[1] == self.control_port:
+            await self._route_control(path, method, receive, send)
+            return
         is_rpc = path.startswith((PROCESS_PREFIX, FILESYSTEM_PREFIX))
 
         if path not in TOKEN_EXEMPT_PATHS and not self.state.token_matches(
@@ -105,11 +114,6 @@ class EnvdApp:
                 }
             )
             await send({"type": "http.response.body", "body": b""})
-        elif path == "/init":
-            if method != "POST":
-                await _method_not_allowed(send, "POST")
-                return
-            await self._init(receive, send)
         elif path == "/envs":
             if method != "GET":
                 await _method_not_allowed(send, "GET")
@@ -124,6 +128,14 @@ class EnvdApp:
             await send_json(send, 200, self._metrics.sample())
         else:
             await send_json(send, 404, {"code": 404, "message": f"no route for {path}"})
+
+    async def _route_control(self, path: str, method: str, receive: Receive, send: Send) -> None:
+        if path != "/init":
+            await send_json(send, 404, {"code": 404, "message": f"no route for {path}"})
+        elif method != "POST":
+            await _method_not_allowed(send, "POST")
+        else:
+            await self._init(receive, send)
 
     async def _init(self, receive: Receive, send: Send) -> None:
         try:
@@ -212,8 +224,9 @@ async def _method_not_allowed(send: Send, allow: str) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-def create_app(state: EnvdState, registry: ProcessRegistry) -> EnvdApp:
-    """Build envd's application with both Connect services mounted."""
+def create_app(state: EnvdState, registry: ProcessRegistry, *, control_port: int) -> EnvdApp:
+    """Build envd's application with both Connect services mounted. Requests arriving on
+    ``control_port`` are the orchestrator's (``/init``)."""
     # Imported here so `python -m agentenv.envd --help` never pays for connectrpc.
     from .filesystem_service import FilesystemService
     from .gen.filesystem_connect import FilesystemASGIApplication
@@ -225,6 +238,7 @@ def create_app(state: EnvdState, registry: ProcessRegistry) -> EnvdApp:
     return EnvdApp(
         state,
         registry,
+        control_port=control_port,
         process_app=EnvelopeCheck(
             ProcessASGIApplication(
                 ProcessService(state, registry),

@@ -1,15 +1,23 @@
-"""Running envd: uvicorn (h11, asyncio) serving the envd application, with a clean
-SIGTERM/SIGINT shutdown. Processes envd started keep running when it stops."""
+"""Running envd: uvicorn (h11, asyncio) serving the envd application on two ports, with a
+clean SIGTERM/SIGINT shutdown. Processes envd started keep running when it stops.
+
+The public port (49983) serves E2B's envd protocol; the control port (49984) serves
+``/init`` only. The node's proxy forwards to the public port and never to the control
+port, so ``/init`` (which sets the access token and the default user) is reachable by the
+orchestrator alone, whatever path tricks a client tries on the public port.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 from types import FrameType
 
 DEFAULT_PORT = 49983
+DEFAULT_CONTROL_PORT = 49984
 DEFAULT_HOST = "0.0.0.0"  # reachable from the host
 #: How long open streams (e.g. a running Start) may delay shutdown before being cut.
 GRACEFUL_SHUTDOWN_S = 3
@@ -21,6 +29,7 @@ logger = logging.getLogger("agentenv.envd")
 class ServerOptions:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
+    control_port: int = DEFAULT_CONTROL_PORT
     log_level: str = "warning"
     #: Whether /init may set the system clock and seed the kernel RNG (off outside a guest).
     manage_system: bool = True
@@ -36,10 +45,9 @@ async def serve(options: ServerOptions) -> None:
 
     state = EnvdState(manage_system=options.manage_system)
     registry = ProcessRegistry()
+    sockets = [_listen(options.host, options.port), _listen(options.host, options.control_port)]
     config = uvicorn.Config(
-        create_app(state, registry),
-        host=options.host,
-        port=options.port,
+        create_app(state, registry, control_port=options.control_port),
         loop="asyncio",
         http="h11",
         ws="none",
@@ -52,9 +60,23 @@ async def serve(options: ServerOptions) -> None:
     )
     server = uvicorn.Server(config)
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         registry.close()
+        for sock in sockets:
+            sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
 
 
 def run(options: ServerOptions) -> int:
@@ -72,6 +94,12 @@ def run(options: ServerOptions) -> int:
     try:
         asyncio.run(serve(options))
     except OSError as e:
-        logger.error("envd could not serve on %s:%d: %s", options.host, options.port, e)
+        logger.error(
+            "envd could not serve on %s ports %d and %d: %s",
+            options.host,
+            options.port,
+            options.control_port,
+            e,
+        )
         return 1
     return 0

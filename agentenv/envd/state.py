@@ -62,9 +62,14 @@ class InitRequest:
             for key in env_vars:
                 if not key or "=" in key or "\0" in key:
                     raise InitError(f"envVars has an invalid name {key!r}")
+        access_token = _optional_str(body, "accessToken")
+        if access_token is not None and not access_token.strip():
+            # An empty token must never mean "stop checking": a client that managed to
+            # send one would switch authentication off.
+            raise InitError("accessToken must not be empty (omit it to keep the current one)")
         return cls(
             env_vars=env_vars,
-            access_token=_optional_str(body, "accessToken"),
+            access_token=access_token,
             timestamp=_parse_timestamp(_optional_str(body, "timestamp")),
             default_user=_optional_str(body, "defaultUser") or None,
             default_workdir=_optional_str(body, "defaultWorkdir") or None,
@@ -134,8 +139,7 @@ class EnvdState:
         if request.env_vars:
             self.env_vars.update(request.env_vars)
         if request.access_token is not None:
-            # An empty token switches enforcement off, as an unset one does.
-            self.access_token = request.access_token or None
+            self.access_token = request.access_token
         if request.default_user is not None:
             self.default_user = request.default_user
         if request.default_workdir is not None:

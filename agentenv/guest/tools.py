@@ -17,7 +17,7 @@ from agentenv.guest.cache import hash_files, sha256_file
 from agentenv.guest.debian import DebPackage, download, extract
 from agentenv.guest.errors import GuestImageError
 from agentenv.guest.host import STATIC_BUSYBOX, STATIC_TINI, host_env, run
-from agentenv.network.addresses import ENVD_PORT
+from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 
 TOOLS_BUILD_VERSION = 1
 PYTHON_ROOTS: tuple[str, ...] = (
@@ -127,6 +127,7 @@ def tools_inputs(
         "kernel": [kernel_key, kernel_release],
         "workload_modules": list(WORKLOAD_MODULES),
         "envd_port": ENVD_PORT,
+        "envd_control_port": ENVD_CONTROL_PORT,
     }
 
 
@@ -257,7 +258,11 @@ async def build_tools(
         template("python.sh").replace("@LIBRARY_PATH@", library_path), tree / "bin/python", 0o755
     )
     _install_file(
-        template("envd.sh").replace("@ENVD_PORT@", str(ENVD_PORT)), tree / "bin/envd", 0o755
+        template("envd.sh")
+        .replace("@ENVD_PORT@", str(ENVD_PORT))
+        .replace("@ENVD_CONTROL_PORT@", str(ENVD_CONTROL_PORT)),
+        tree / "bin/envd",
+        0o755,
     )
     applets = (await run([busybox, "--list"])).split()
     (tree / "busybox").mkdir()

@@ -9,3 +9,6 @@ GUEST_MAC = "02:fc:00:00:00:05"
 GATEWAY_MAC = "02:fc:00:00:00:06"
 TAP_NAME = "tap0"
 ENVD_PORT = 49983
+# envd's control port: /init (token, clock, entropy) is served here and nowhere else. The
+# node reaches it directly; the proxy never forwards to it.
+ENVD_CONTROL_PORT = 49984

@@ -1,5 +1,8 @@
 """The orchestrator's side of envd: ``/health``, ``/init``, ``/files`` and running commands
-(waiting for them, or streaming their output for template build logs)."""
+(waiting for them, or streaming their output for template build logs).
+
+``/init`` goes to envd's control port, which only the node reaches (the proxy never
+forwards to it); everything else to envd's public port, as clients use it."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.network.addresses import ENVD_PORT
+from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 
 
 class EnvdUnreachable(Exception):
@@ -25,6 +28,10 @@ class EnvdUnreachable(Exception):
 
 def envd_url(address: str, path: str) -> str:
     return f"http://{address}:{ENVD_PORT}{path}"
+
+
+def init_url(address: str) -> str:
+    return f"http://{address}:{ENVD_CONTROL_PORT}/init"
 
 
 async def wait_healthy(
@@ -74,7 +81,7 @@ async def init(
     deadline = time.monotonic() + timeout
     while True:
         try:
-            response = await client.post(envd_url(address, "/init"), json=body, timeout=5.0)
+            response = await client.post(init_url(address), json=body, timeout=5.0)
         except httpx.HTTPError as exc:
             # Right after a restore the first packets can race the guest's ARP refresh.
             if time.monotonic() > deadline:
@@ -93,7 +100,7 @@ async def warm_up(client: httpx.AsyncClient, address: str, timeout: float = 60.0
     the guest's page cache, lazily built state) is then paid once at template build
     instead of in every sandbox restored from it."""
     await client.post(
-        envd_url(address, "/init"),
+        init_url(address),
         json={"timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z")},
         timeout=timeout,
     )
@@ -256,7 +263,7 @@ async def configure(
     if workdir:
         body["defaultWorkdir"] = workdir
     try:
-        response = await client.post(envd_url(address, "/init"), json=body, timeout=30.0)
+        response = await client.post(init_url(address), json=body, timeout=30.0)
     except httpx.HTTPError as exc:
         raise EnvdUnreachable(f"envd /init failed: {exc}") from exc
     if not response.is_success:

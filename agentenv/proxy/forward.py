@@ -2,6 +2,12 @@
 
 A request is sandbox traffic when it carries ``E2b-Sandbox-Id`` (and optionally
 ``E2b-Sandbox-Port``, default envd's port) or its Host is ``{port}-{sandboxID}.{domain}``.
+
+Requests for envd's port are checked against the sandbox's access token unless their path
+is exactly one of envd's public routes; their raw path is parsed once (see ``paths``) and
+forwarded byte for byte, so the guest sees the path that was checked. envd's control port
+(``/init``) is never forwarded. Paths for other ports are forwarded as the client sent them
+(refused only where the HTTP client would change what they mean).
 Bodies stream in both directions without buffering (each side waits for the other to
 drain, so a slow reader slows the writer instead of filling memory), which is what Connect
 server streams, large uploads and downloads need.
@@ -27,9 +33,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
-from agentenv.network.addresses import ENVD_PORT
+from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 from agentenv.orchestrator.errors import OrchestratorError, SandboxNotFound
 from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
+from agentenv.proxy.paths import PathRefused, RequestPath
 
 log = logging.getLogger("agentenv.proxy")
 
@@ -54,8 +61,12 @@ _HOP_BY_HOP = frozenset(
 _ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port"})
 # The same bound h11 (and so envd) applies to a request head.
 MAX_HEADER_BYTES = 16 * 1024
-# envd paths that authenticate themselves: /health is public, /files accepts signed URLs.
-_ENVD_SELF_AUTHENTICATED = ("/health", "/files")
+# envd routes that authenticate themselves, matched exactly: /health is public, /files
+# accepts signed URLs (envd checks the signature, or the token when one is sent).
+_ENVD_PUBLIC_ROUTES = frozenset({"/health", "/files"})
+# Routes envd serves to the orchestrator only; refused here even though envd no longer
+# answers them on its public port.
+_ENVD_NODE_ROUTES = frozenset({"/init"})
 
 
 @dataclass(frozen=True)
@@ -131,12 +142,14 @@ class SandboxProxy:
 
     # -- admission ----------------------------------------------------------------------
     async def admit(
-        self, target: ProxyTarget, path: str, headers: Headers
+        self, target: ProxyTarget, path: RequestPath, headers: Headers
     ) -> SandboxView | Refusal:
         """The sandbox to forward to, or why not. Waits while the sandbox is being
         resumed (or settles after one), and wakes a paused sandbox that asked for it."""
         if not 0 < target.port < 65536:
             return Refusal(400, "E2b-Sandbox-Port must be a port number")
+        if target.port == ENVD_CONTROL_PORT:
+            return Refusal(403, f"port {ENVD_CONTROL_PORT} is reachable by the node only")
         try:
             view = await self.orchestrator.ready_for_traffic(target.sandbox_id)
         except SandboxNotFound:
@@ -147,28 +160,28 @@ class SandboxProxy:
             return Refusal(502, f"The sandbox {target.sandbox_id} is not running: {exc}")
         if target.port != ENVD_PORT:
             return view
-        clean_path = path.rstrip("/")
-        if clean_path == "/init":
+        if path.decoded in _ENVD_NODE_ROUTES:
             # /init sets the sandbox's token, clock and identity: only the orchestrator,
-            # which reaches envd directly, may call it.
-            return Refusal(403, "envd /init is not reachable through the proxy")
+            # which reaches envd's control port directly, may call it.
+            return Refusal(403, f"envd {path.decoded} is not reachable through the proxy")
         token = view.record.envd_token
-        if token and not clean_path.startswith(_ENVD_SELF_AUTHENTICATED):
-            presented = headers.get("x-access-token", "")
+        if token and path.decoded not in _ENVD_PUBLIC_ROUTES:
+            presented = headers.get("x-access-token") or ""
             if not hmac.compare_digest(presented.encode(), token.encode()):
                 return Refusal(401, "missing or invalid X-Access-Token for this sandbox")
         return view
 
     # -- HTTP ---------------------------------------------------------------------------
     async def forward(self, request: Request, target: ProxyTarget) -> Response:
-        admitted = await self.admit(target, request.url.path, request.headers)
+        path = request_path(request.scope, target)
+        if isinstance(path, Refusal):
+            return path.response()
+        admitted = await self.admit(target, path, request.headers)
         if isinstance(admitted, Refusal):
             return admitted.response()
-        url = httpx.URL(
-            scheme="http", host=admitted.guest_address, port=target.port, path=request.url.path
-        )
-        if request.url.query:
-            url = url.copy_with(query=request.url.query.encode())
+        url = upstream_url(admitted.guest_address, target.port, path, request.scope)
+        if isinstance(url, Refusal):
+            return url.response()
         has_body = request.method not in ("GET", "HEAD", "OPTIONS") or (
             "content-length" in request.headers or "transfer-encoding" in request.headers
         )
@@ -205,12 +218,16 @@ class SandboxProxy:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = Headers(scope=scope)
-        admitted = await self.admit(target, scope["path"], headers)
+        path = request_path(scope, target)
+        if isinstance(path, Refusal):
+            await _deny_websocket(send, path)
+            return
+        admitted = await self.admit(target, path, headers)
         if isinstance(admitted, Refusal):
             await _deny_websocket(send, admitted)
             return
-        query = scope.get("query_string", b"").decode()
-        url = f"ws://{admitted.guest_address}:{target.port}{scope['path']}"
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = f"ws://{admitted.guest_address}:{target.port}{path.raw.decode('latin-1')}"
         if query:
             url += "?" + query
         try:
@@ -236,6 +253,39 @@ class SandboxProxy:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+
+def request_path(scope: Scope, target: ProxyTarget) -> RequestPath | Refusal:
+    """The raw path the client sent, checked once. envd's port gets the strict parse its
+    access rules rely on; other ports' paths decide nothing here and go through as sent
+    (an application may give ``//`` or ``%2F`` a meaning of its own)."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    if target.port != ENVD_PORT:
+        if not raw.startswith(b"/"):
+            return Refusal(400, "the request path must start with '/'")
+        return RequestPath(raw, scope["path"])
+    try:
+        return RequestPath.parse(raw)
+    except PathRefused as exc:
+        return Refusal(400, str(exc))
+
+
+def upstream_url(address: str, port: int, path: RequestPath, scope: Scope) -> httpx.URL | Refusal:
+    """The guest URL for the path that was checked. httpx normalises dot segments and
+    percent-encodes a few characters (``"<>{}`` and the like) on the way: envd's port
+    must get the checked path byte for byte, other ports the same decoded path. The query
+    may be re-encoded, which changes no parameter."""
+    query: bytes = scope.get("query_string", b"")
+    raw = path.raw + (b"?" + query if query else b"")
+    try:
+        url = httpx.URL(scheme="http", host=address, port=port).copy_with(raw_path=raw)
+    except (httpx.InvalidURL, UnicodeError):
+        return Refusal(400, "the request target is not a valid URL")
+    sent_path = url.raw_path.partition(b"?")[0]
+    unchanged = sent_path == path.raw if port == ENVD_PORT else url.path == path.decoded
+    if not unchanged:
+        return Refusal(400, "the request path cannot be forwarded unchanged")
+    return url
 
 
 async def _relay_body(upstream: httpx.Response, target: ProxyTarget) -> AsyncIterator[bytes]:

@@ -1,0 +1,1 @@
+"""Adversarial tests: hostile clients and hostile guests against real VMs."""
