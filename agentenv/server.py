@@ -28,6 +28,9 @@ from agentenv.vmm.qemu import QemuDriver
 
 log = logging.getLogger("agentenv.server")
 
+#: Seconds an idle keep-alive connection stays open (see ``main``).
+KEEP_ALIVE_S = 330
+
 
 class NodeSetupError(Exception):
     """The node cannot run sandboxes with this configuration on this host."""
@@ -133,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
         port=config.port,
         log_level="warning" if config.log_level == "info" else config.log_level,
         timeout_graceful_shutdown=10,
+        # Idle keep-alive connections are closed by the client first: the e2b SDK keeps
+        # them 300 s (E2B_KEEPALIVE_EXPIRY). A server that closes sooner (uvicorn's
+        # default is 5 s) races a client reusing the connection at that moment, which
+        # then sees a reset on a request it cannot safely retry, such as a create.
+        timeout_keep_alive=KEEP_ALIVE_S,
         # Read request heads up to 1 MiB so the proxy middleware can refuse oversized
         # ones with a 431 body; h11 would otherwise reset the connection mid-upload.
         h11_max_incomplete_event_size=1024 * 1024,

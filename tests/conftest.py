@@ -31,7 +31,8 @@ def test_root() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="aenv-test-", dir=base))
     yield root
     kill_vmms(str(root))
-    shutil.rmtree(root, ignore_errors=True)
+    if os.environ.get("AENV_KEEP_TEST_ROOT") != "1":
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
