@@ -164,38 +164,20 @@ def test_only_exact_public_routes_skip_the_token(
     assert raw_http(server.port, "GET", "/health/x", route).status == 401
 
 
+def _post_hijack(server: ServerProcess, target: str, headers: dict[str, str]) -> int:
+    """The status of the reported /init body posted to ``target``, byte for byte."""
+    json_body = {"Content-Type": "application/json"}
+    return raw_http(server.port, "POST", target, {**headers, **json_body}, HIJACK).status
+
+
 def test_envds_control_port_is_unreachable(server: ServerProcess, secured: dict[str, Any]) -> None:
     sandbox_id, token = secured["sandboxID"], secured["envdAccessToken"]
-    by_header = raw_http(
-        server.port,
-        "POST",
-        "/init",
-        {
-            "E2b-Sandbox-Id": sandbox_id,
-            "E2b-Sandbox-Port": "49984",
-            "X-Access-Token": token,
-            "Content-Type": "application/json",
-        },
-        HIJACK,
-    )
-    assert by_header.status == 403, by_header
-    by_host = raw_http(
-        server.port,
-        "POST",
-        "/init",
-        {"Host": f"49984-{sandbox_id}.sandbox.test", "Content-Type": "application/json"},
-        HIJACK,
-    )
-    assert by_host.status == 403, by_host
+    routed = {"E2b-Sandbox-Id": sandbox_id, "X-Access-Token": token}
+    assert _post_hijack(server, "/init", {**routed, "E2b-Sandbox-Port": "49984"}) == 403
+    assert _post_hijack(server, "/init", {"Host": f"49984-{sandbox_id}.sandbox.test"}) == 403
     # Host routing to envd's public port gets the same path checks as header routing.
-    envd_by_host = raw_http(
-        server.port,
-        "POST",
-        "/files/../init",
-        {"Host": f"49983-{sandbox_id}.sandbox.test", "Content-Type": "application/json"},
-        HIJACK,
-    )
-    assert envd_by_host.status == 400, envd_by_host
+    by_host = {"Host": f"49983-{sandbox_id}.sandbox.test"}
+    assert _post_hijack(server, "/files/../init", by_host) == 400
     assert run_command(server.url, sandbox_id, "id -un", token=token).stdout == "user\n"
 
 
