@@ -71,6 +71,7 @@ from agentenv.envd.gen.process_pb import (
 )
 from agentenv.envd.multipart import MultipartParser, PartData, PartEnd, PartStart
 from agentenv.envd.processes import ProcessExit
+from agentenv.envd.server import _listen
 from agentenv.envd.state import InitError, InitRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -591,6 +592,29 @@ def test_an_empty_token_never_switches_checking_off(fresh_envd: Envd) -> None:
     assert httpx.get(f"{public}/envs").status_code == 401
     assert httpx.get(f"{public}/envs", headers={"X-Access-Token": ""}).status_code == 401
     assert httpx.get(f"{public}/envs", headers={"X-Access-Token": "tok"}).status_code == 200
+
+
+async def test_envd_connections_have_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY only on sockets whose proto says TCP; envd makes its own
+    listeners, and without it a response written in pieces waited for delayed ACKs."""
+    listener = _listen("127.0.0.1", 0)
+    seen: list[int] = []
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(
+            writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        )
+        writer.close()
+
+    server = await asyncio.start_server(accepted, sock=listener)
+    async with server:
+        _, writer = await asyncio.open_connection(*listener.getsockname())
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+    assert seen and seen[0] != 0
 
 
 def _raw_status(port: int, method: str, path: str, body: bytes) -> int:
