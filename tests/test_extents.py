@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +66,26 @@ def test_reshare_gives_back_rewritten_pages_and_keeps_changed_ones(workdir: Path
     assert sandbox.stat().st_mtime_ns == mtime
     # Nothing left to give back: a second pass shares nothing more.
     assert reshare(sandbox, template) == 0
+
+
+def test_a_stopped_reshare_shares_nothing_more(workdir: Path) -> None:
+    """Callers stop a resharing before a VM maps the file again."""
+    template = workdir / "template"
+    template.write_bytes(os.urandom(4 * MiB))
+    sandbox = workdir / "sandbox"
+    assert clone_file_sync(template, sandbox)
+    fd = os.open(sandbox, os.O_RDWR)
+    try:
+        os.pwrite(fd, os.pread(fd, 4 * MiB, 0), 0)  # rewritten unchanged: reshareable
+    finally:
+        os.close(fd)
+    before = unshared_bytes(sandbox)
+    assert before == 4 * MiB
+    stop = threading.Event()
+    stop.set()
+    assert reshare(sandbox, template, stop) == 0
+    assert unshared_bytes(sandbox) == before
+    assert reshare(sandbox, template, threading.Event()) == 4 * MiB
 
 
 def test_reshare_never_shares_different_content(workdir: Path) -> None:

@@ -38,6 +38,7 @@ import secrets
 import shutil
 import sqlite3
 import string
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -334,6 +335,8 @@ class Orchestrator:
         self._resharing = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="aenv-reshare"
         )
+        # A paused sandbox's resharing of its RAM file, to stop before a VM maps it again.
+        self._paused_resharing: dict[str, tuple[threading.Event, asyncio.Task[None]]] = {}
         self._reflinks = False
         self._reserved_slots: set[int] = set()
         self.templates = TemplateManager(
@@ -888,7 +891,9 @@ class Orchestrator:
         await vm.kill()
         phases.mark("vm")
         self._prepare_upload(rec, files)
-        self._reshare_later(rec, files.memory_file, f"sandbox {sandbox_id} (paused)")
+        self._reshare_later(
+            rec, files.memory_file, f"sandbox {sandbox_id} (paused)", paused=sandbox_id
+        )
         # The pause is complete once saved and the VMM is gone; the network namespace
         # follows a little later unless a resume takes it back first.
         self._release_network_later(rec)
@@ -991,6 +996,7 @@ class Orchestrator:
             raise Conflict(f"sandbox {sandbox_id} is not paused")
         phases = _PhaseTimer()
         await self._stop_upload(sandbox_id)
+        await self._stop_resharing(sandbox_id)
         marker = _upload_state(rec.workdir)
         if marker is not None and marker.get("state") == "committed":
             # Committed: another node may have resumed it. Whoever claims this
@@ -1124,7 +1130,9 @@ class Orchestrator:
         except SnapshotError as exc:
             raise OperationFailed(f"source of sandbox {rec.sandbox_id}: {exc}") from exc
 
-    def _reshare_later(self, rec: SandboxRecord, memory: Path | None, what: str) -> None:
+    def _reshare_later(
+        self, rec: SandboxRecord, memory: Path | None, what: str, *, paused: str | None = None
+    ) -> None:
         """In the background, make the RAM file ``memory`` (a paused sandbox's or a
         snapshot's) share again the blocks it holds unchanged from the RAM file of the
         sandbox's source: those the guest rewrote with the same bytes, above all the pages
@@ -1132,7 +1140,8 @@ class Orchestrator:
 
         Only for sandboxes whose RAM is a file of their own: their RAM files are mapped
         shared by their own VM or cloned, never mapped privately by others (fork images
-        and private-memory machines are left alone)."""
+        and private-memory machines are left alone). A paused sandbox's (``paused``: its
+        id) is stopped by :meth:`_stop_resharing` before its VM maps the file again."""
         if not self._reflinks or memory is None or rec.memory_mode != "shared":
             return
         try:
@@ -1142,20 +1151,42 @@ class Orchestrator:
         if like is None:
             return
 
+        stop = threading.Event()
+
         async def run() -> None:
             loop = asyncio.get_running_loop()
             try:
                 if os.path.samefile(memory, like):
                     return
-                shared = await loop.run_in_executor(self._resharing, reshare, memory, like)
+                shared = await loop.run_in_executor(self._resharing, reshare, memory, like, stop)
             except (FileNotFoundError, RuntimeError):
                 return  # gone meanwhile (killed, deleted), or the server is shutting down
             except OSError as exc:
                 log.warning("%s: resharing its RAM file failed: %s", what, exc)
                 return
-            log.info("%s: RAM file shares %.1f MiB more with its source", what, shared / MIB)
+            finally:
+                if paused is not None and self._paused_resharing.get(paused, (None,))[0] is stop:
+                    del self._paused_resharing[paused]
+            stopped = " (stopped early)" if stop.is_set() else ""
+            log.info(
+                "%s: RAM file shares %.1f MiB more with its source%s", what, shared / MIB, stopped
+            )
 
-        self._keep(asyncio.get_running_loop().create_task(run()))
+        task = asyncio.get_running_loop().create_task(run())
+        self._keep(task)
+        if paused is not None:
+            self._paused_resharing[paused] = (stop, task)
+
+    async def _stop_resharing(self, sandbox_id: str) -> None:
+        """Stop resharing the paused sandbox's RAM file and wait until it has (one dedupe
+        call at most): a VM must never map a file being reshared."""
+        entry = self._paused_resharing.get(sandbox_id)
+        if entry is None:
+            return
+        stop, task = entry
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
 
     # -- snapshots and forks ---------------------------------------------------------------
     async def snapshot(
