@@ -4,11 +4,12 @@
 other file shares, i.e. what deleting it would free. :func:`reshare` makes a clone share
 again the blocks whose content still equals its source's (``FIDEDUPERANGE``, which the
 kernel does atomically: it compares the two ranges under the files' locks and remaps only
-if they are identical). It must not run on a file a VM maps: remapping drops the file's
-page cache, and a page the VMM had pinned for a device's direct I/O (virtio-blk reads land
-in guest RAM) is then written after it left the cache, so the guest reads stale bytes back.
-Resuming a paused sandbox while its RAM file was being reshared hung its guest about once
-in 30 cycles; callers stop a resharing (``stop``) before a VM maps the file again.
+if they are identical). It must not run on a file a VM maps: resuming a paused sandbox
+while its RAM file was being reshared hung its guest about once in 30 cycles (measured).
+The remap drops the file's page cache under the VMM; the likely way that loses data is a
+page the VMM had pinned for a device's direct I/O (virtio-blk reads land in guest RAM),
+written after it left the cache. Callers stop a resharing (``stop``) before a VM maps the
+file again.
 
 Why a clone needs it: a sandbox's RAM file is a reflink of its template's, and a Linux
 guest zeroes every page it allocates. Writing zeros over zeros changes nothing, but each
