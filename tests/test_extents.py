@@ -31,6 +31,21 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _clone_rewritten(workdir: Path, rewritten: int) -> tuple[Path, Path]:
+    """A 4 MiB "template" and a clone of it whose first ``rewritten`` bytes were written
+    again with the same content: same bytes, new blocks."""
+    template = workdir / "template"
+    template.write_bytes(os.urandom(4 * MiB))
+    sandbox = workdir / "sandbox"
+    assert clone_file_sync(template, sandbox)
+    fd = os.open(sandbox, os.O_RDWR)
+    try:
+        os.pwrite(fd, os.pread(fd, rewritten, 0), 0)
+    finally:
+        os.close(fd)
+    return template, sandbox
+
+
 def test_reshare_gives_back_rewritten_pages_and_keeps_changed_ones(workdir: Path) -> None:
     # A "template": 8 MiB of data with a 4 MiB hole in the middle.
     template = workdir / "template"
@@ -70,15 +85,7 @@ def test_reshare_gives_back_rewritten_pages_and_keeps_changed_ones(workdir: Path
 
 def test_a_stopped_reshare_shares_nothing_more(workdir: Path) -> None:
     """Callers stop a resharing before a VM maps the file again."""
-    template = workdir / "template"
-    template.write_bytes(os.urandom(4 * MiB))
-    sandbox = workdir / "sandbox"
-    assert clone_file_sync(template, sandbox)
-    fd = os.open(sandbox, os.O_RDWR)
-    try:
-        os.pwrite(fd, os.pread(fd, 4 * MiB, 0), 0)  # rewritten unchanged: reshareable
-    finally:
-        os.close(fd)
+    template, sandbox = _clone_rewritten(workdir, 4 * MiB)
     before = unshared_bytes(sandbox)
     assert before == 4 * MiB
     stop = threading.Event()
@@ -114,15 +121,7 @@ def test_reshare_where_extents_cannot_be_shared(tmp_path: Path) -> None:
 
 
 def test_reshare_looks_past_blocks_shared_with_other_clones(workdir: Path) -> None:
-    template = workdir / "template"
-    template.write_bytes(os.urandom(4 * MiB))
-    sandbox = workdir / "sandbox"
-    assert clone_file_sync(template, sandbox)
-    fd = os.open(sandbox, os.O_RDWR)
-    try:
-        os.pwrite(fd, os.pread(fd, 2 * MiB, 0), 0)  # same bytes, new blocks
-    finally:
-        os.close(fd)
+    template, sandbox = _clone_rewritten(workdir, 2 * MiB)
     # A paused sandbox's upload copy (or a snapshot) shares those new blocks: they are
     # "shared", but not with the template.
     frozen = workdir / "frozen"
