@@ -2,13 +2,16 @@
 (waiting for them, or streaming their output for template build logs).
 
 ``/init`` goes to envd's control port, which only the node reaches (the proxy never
-forwards to it); everything else to envd's public port, as clients use it."""
+forwards to it); everything else to envd's public port, as clients use it. Guests saved
+by an older agentenv run an envd without the control port: their /init is on the public
+port, which the node still uses for them (the proxy refuses /init whatever the guest)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import logging
 import os
 import struct
 import time
@@ -20,6 +23,8 @@ from pathlib import Path
 import httpx
 
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
+
+log = logging.getLogger("agentenv.orchestrator")
 
 
 class EnvdUnreachable(Exception):
@@ -79,10 +84,22 @@ async def init(
     if access_token:
         body["accessToken"] = access_token
     deadline = time.monotonic() + timeout
+    url = init_url(address)
     while True:
         try:
-            response = await client.post(init_url(address), json=body, timeout=5.0)
+            response = await client.post(url, json=body, timeout=5.0)
         except httpx.HTTPError as exc:
+            if url == init_url(address) and _refused(exc):
+                # The guest answered, but nothing listens on the control port: an envd
+                # saved before it existed (a template, snapshot or paused sandbox made by
+                # an older agentenv), whose /init is on its public port.
+                log.warning(
+                    "envd at %s has no control port (saved by an older agentenv): "
+                    "using its legacy /init; rebuild its template to drop this",
+                    address,
+                )
+                url = envd_url(address, "/init")
+                continue
             # Right after a restore the first packets can race the guest's ARP refresh.
             if time.monotonic() > deadline:
                 raise EnvdUnreachable(f"envd /init failed: {exc}") from exc
@@ -91,6 +108,19 @@ async def init(
         if response.is_success:
             return
         raise EnvdUnreachable(f"envd /init answered {response.status_code}: {response.text}")
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether the connection was refused (a TCP reset from the guest: it runs, but
+    nothing listens there), as opposed to not reaching the guest at all."""
+    seen: BaseException | None = exc
+    for _ in range(10):  # httpx -> httpcore -> OSError: a short chain
+        if seen is None:
+            break
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 async def warm_up(client: httpx.AsyncClient, address: str, timeout: float = 60.0) -> None:
