@@ -5,7 +5,7 @@ other file shares, i.e. what deleting it would free. :func:`reshare` makes a clo
 again the blocks whose content still equals its source's (``FIDEDUPERANGE``, which the
 kernel does atomically: it compares the two ranges under the files' locks and remaps only
 if they are identical). It must not run on a file a VM maps: resuming a paused sandbox
-while its RAM file was being reshared hung its guest about once in 30 cycles (measured).
+while its RAM file was being reshared hung its guest in 3 of 36 cycles (measured).
 The remap drops the file's page cache under the VMM; the likely way that loses data is a
 page the VMM had pinned for a device's direct I/O (virtio-blk reads land in guest RAM),
 written after it left the cache. Callers stop a resharing (``stop``) before a VM maps the
