@@ -300,6 +300,30 @@ class _Identity:
     parent_id: str | None = None
 
 
+class _ReshareJob:
+    """One resharing of a RAM file (:func:`reshare`) on the resharing thread, which can be
+    stopped; :meth:`cancel` says whether it had started (and so must be waited for)."""
+
+    def __init__(self, memory: Path, like: Path) -> None:
+        self.memory, self.like = memory, like
+        self.stop = threading.Event()
+        self.task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()
+        self._started = False
+
+    def run(self) -> int:
+        with self._lock:
+            if self.stop.is_set():
+                return 0
+            self._started = True
+        return reshare(self.memory, self.like, self.stop)
+
+    def cancel(self) -> bool:
+        with self._lock:
+            self.stop.set()
+            return self._started
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -336,7 +360,7 @@ class Orchestrator:
             1, thread_name_prefix="aenv-reshare"
         )
         # A paused sandbox's resharing of its RAM file, to stop before a VM maps it again.
-        self._paused_resharing: dict[str, tuple[threading.Event, asyncio.Task[None]]] = {}
+        self._paused_resharing: dict[str, _ReshareJob] = {}
         self._reflinks = False
         self._reserved_slots: set[int] = set()
         self.templates = TemplateManager(
@@ -1151,42 +1175,40 @@ class Orchestrator:
         if like is None:
             return
 
-        stop = threading.Event()
+        job = _ReshareJob(memory, like)
 
         async def run() -> None:
             loop = asyncio.get_running_loop()
             try:
                 if os.path.samefile(memory, like):
                     return
-                shared = await loop.run_in_executor(self._resharing, reshare, memory, like, stop)
+                shared = await loop.run_in_executor(self._resharing, job.run)
             except (FileNotFoundError, RuntimeError):
                 return  # gone meanwhile (killed, deleted), or the server is shutting down
             except OSError as exc:
                 log.warning("%s: resharing its RAM file failed: %s", what, exc)
                 return
             finally:
-                if paused is not None and self._paused_resharing.get(paused, (None,))[0] is stop:
+                if paused is not None and self._paused_resharing.get(paused) is job:
                     del self._paused_resharing[paused]
-            stopped = " (stopped early)" if stop.is_set() else ""
+            stopped = " (stopped early)" if job.stop.is_set() else ""
             log.info(
                 "%s: RAM file shares %.1f MiB more with its source%s", what, shared / MIB, stopped
             )
 
-        task = asyncio.get_running_loop().create_task(run())
-        self._keep(task)
+        job.task = asyncio.get_running_loop().create_task(run())
+        self._keep(job.task)
         if paused is not None:
-            self._paused_resharing[paused] = (stop, task)
+            self._paused_resharing[paused] = job
 
     async def _stop_resharing(self, sandbox_id: str) -> None:
-        """Stop resharing the paused sandbox's RAM file and wait until it has (one dedupe
-        call at most): a VM must never map a file being reshared."""
-        entry = self._paused_resharing.get(sandbox_id)
-        if entry is None:
-            return
-        stop, task = entry
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.shield(task)
+        """Stop resharing the paused sandbox's RAM file, waiting for a resharing that has
+        started (one dedupe call at most): a VM must never map a file being reshared. One
+        still queued behind others is not waited for; it will not touch the file."""
+        job = self._paused_resharing.get(sandbox_id)
+        if job is not None and job.cancel() and job.task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(job.task)
 
     # -- snapshots and forks ---------------------------------------------------------------
     async def snapshot(
