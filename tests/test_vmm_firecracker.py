@@ -105,6 +105,14 @@ def test_driver_rejects_missing_binary(tmp_path: Path) -> None:
         FirecrackerDriver(tmp_path / "nope")
 
 
+def test_capabilities() -> None:
+    assert FirecrackerDriver.disk_formats == ("raw",)
+    assert FirecrackerDriver.accelerators == ("kvm",)
+    assert not FirecrackerDriver.shared_memory_boot
+    assert not FirecrackerDriver.seals_drives
+    assert not FirecrackerDriver.publishes_paused_state
+
+
 # -- fixtures: binary, kernel, network, leftovers -----------------------------------------
 
 

@@ -115,7 +115,7 @@ def _instance_id(workdir: Path) -> str:
 def _validate_spec(spec: MachineSpec) -> None:
     """Refuse (with :class:`VMMStartError`) specs Firecracker cannot run, before any
     process is started."""
-    if spec.accel != "kvm":
+    if spec.accel not in FirecrackerDriver.accelerators:
         raise VMMStartError(
             f"Firecracker runs only on KVM, not accel={spec.accel!r}: it has no software "
             "emulation. Use the QEMU driver for TCG."
@@ -428,6 +428,13 @@ class FirecrackerDriver(VMMDriver):
     # Firecracker opens raw files only, and keeps guest RAM anonymous until a snapshot.
     disk_formats = ("raw",)
     shared_memory_boot = False
+    # No software emulation.
+    accelerators = ("kvm",)
+    # Raw drives have no backing files, so a running disk cannot be frozen under a new
+    # top image.
+    seals_drives = False
+    # Its pause files are not published to the snapshot repository yet.
+    publishes_paused_state = False
 
     def __init__(self, binary: Path) -> None:
         if not (binary.is_file() and os.access(binary, os.X_OK)):

@@ -519,6 +519,9 @@ class QemuDriver(VMMDriver):
     """Starts ``qemu-system-x86_64 -M microvm`` processes."""
 
     name = "qemu"
+    accelerators = ("tcg", "kvm")
+    seals_drives = True
+    publishes_paused_state = True
 
     def __init__(
         self,
