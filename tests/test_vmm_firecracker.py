@@ -105,6 +105,14 @@ def test_driver_rejects_missing_binary(tmp_path: Path) -> None:
         FirecrackerDriver(tmp_path / "nope")
 
 
+def test_capabilities() -> None:
+    assert FirecrackerDriver.disk_formats == ("raw",)
+    assert FirecrackerDriver.accelerators == ("kvm",)
+    assert not FirecrackerDriver.shared_memory_boot
+    assert not FirecrackerDriver.seals_drives
+    assert not FirecrackerDriver.publishes_paused_state
+
+
 # -- fixtures: binary, kernel, network, leftovers -----------------------------------------
 
 
@@ -323,6 +331,27 @@ async def test_process_that_dies_at_start_is_reported(guest_kernel: Path, workro
 
 
 @needs_kvm
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns)")
+async def test_started_in_netns_through_launch_seam(workroot: Path, netns: str) -> None:
+    # A stand-in Firecracker records where it runs, then exits: no guest kernel needed.
+    fake = workroot / "fake-firecracker"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "$$ $(readlink /proc/self/ns/net) $(readlink /proc/self/ns/mnt)" > where\n'
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    kernel = _raw_file(workroot / "vmlinux", 4096)
+    spec = _spec(workroot, kernel, net=NetSpec("fctap0", "52:54:00:12:34:56", netns))
+    with pytest.raises(VMMStartError, match="exited while starting"):
+        await FirecrackerDriver(fake).boot(spec, workroot / "w")
+    _, net_ns, mnt_ns = (workroot / "w" / "where").read_text().split()
+    assert net_ns == f"net:[{os.stat(f'/run/netns/{netns}').st_ino}]"
+    # nsenter, unlike `ip netns exec`, leaves the mount namespace alone.
+    assert mnt_ns == os.readlink("/proc/self/ns/mnt")
+
+
+@needs_kvm
 async def test_restore_rejects_foreign_snapshot(
     driver: FirecrackerDriver, guest_kernel: Path, workroot: Path
 ) -> None:
@@ -352,7 +381,7 @@ async def test_boot_configures_everything_and_starts(
     vms.append(vm)
     assert vm.state is VMRunState.RUNNING
     assert (await vm.describe())["state"] == "Running"
-    assert read_cmdline(vm.pid)[0] == str(driver.binary)  # `ip netns exec` exec'd into it
+    assert read_cmdline(vm.pid)[0] == str(driver.binary)  # nsenter exec'd into it
     vm_ns, test_ns = os.stat(f"/proc/{vm.pid}/ns/net"), os.stat(f"/run/netns/{netns}")
     assert (vm_ns.st_dev, vm_ns.st_ino) == (test_ns.st_dev, test_ns.st_ino)
 

@@ -143,6 +143,14 @@ def _plain_spec(tmp_path: Path, **changes: object) -> MachineSpec:
     return replace(spec, **changes)  # type: ignore[arg-type]
 
 
+def test_capabilities() -> None:
+    assert QemuDriver.disk_formats == ("raw", "qcow2")
+    assert set(QemuDriver.accelerators) == {"tcg", "kvm"}
+    assert QemuDriver.shared_memory_boot
+    assert QemuDriver.seals_drives
+    assert QemuDriver.publishes_paused_state
+
+
 def test_argv_tcg_boot(tmp_path: Path) -> None:
     spec = _plain_spec(tmp_path)
     argv = QemuDriver(tb_size_mib=32).build_argv(spec, tmp_path / "w")

@@ -210,7 +210,11 @@ class VirtualMachine(ABC):
 
 
 class VMMDriver(ABC):
-    """Starts VMM processes of one kind."""
+    """Starts VMM processes of one kind.
+
+    What a driver can and cannot do is stated by the capability attributes below, so
+    callers decide on those rather than on :attr:`name`, which identifies the driver (in
+    snapshots, logs and ``/health``) and nothing more."""
 
     name: str
     #: Disk image formats the VMM opens; other drivers get raw copies (reflinked where
@@ -219,6 +223,15 @@ class VMMDriver(ABC):
     #: Whether a booted machine's RAM can live in ``MachineSpec.memory_file`` (shared), so
     #: that saving it writes device state only.
     shared_memory_boot: bool = True
+    #: Accelerators (``MachineSpec.accel``) the VMM runs guests under.
+    accelerators: tuple[Literal["tcg", "kvm"], ...] = ("tcg", "kvm")
+    #: Whether :meth:`VirtualMachine.seal_drive` works: a running machine's disk can be
+    #: frozen in constant time while writes go on into a new top image.
+    seals_drives: bool = False
+    #: Whether the files a pause writes (:meth:`VirtualMachine.save_state` output and the
+    #: sandbox's disk) can be committed to the snapshot repository, so a paused sandbox
+    #: can be resumed on another node.
+    publishes_paused_state: bool = False
 
     @abstractmethod
     async def boot(self, spec: MachineSpec, workdir: Path) -> VirtualMachine:

@@ -28,8 +28,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -50,6 +48,7 @@ from agentenv.vmm.base import (
     VMStats,
 )
 from agentenv.vmm.firecracker_binary import find_firecracker
+from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, read_cmdline
 
 __all__ = ["FirecrackerAPI", "FirecrackerDriver", "FirecrackerVM", "find_firecracker"]
@@ -116,7 +115,7 @@ def _instance_id(workdir: Path) -> str:
 def _validate_spec(spec: MachineSpec) -> None:
     """Refuse (with :class:`VMMStartError`) specs Firecracker cannot run, before any
     process is started."""
-    if spec.accel != "kvm":
+    if spec.accel not in FirecrackerDriver.accelerators:
         raise VMMStartError(
             f"Firecracker runs only on KVM, not accel={spec.accel!r}: it has no software "
             "emulation. Use the QEMU driver for TCG."
@@ -179,28 +178,6 @@ def _prepare_workdir(spec: MachineSpec, workdir: Path) -> Path:
         tmp.symlink_to(drive.path.resolve())
         os.replace(tmp, drives_dir / drive.drive_id)
     return workdir
-
-
-def _spawn(argv: list[str], workdir: Path) -> VMMProcess:
-    """Start ``argv`` in its own session (it must outlive a server restart) with the guest
-    console (stdout) in ``console.log``."""
-    with (
-        open(workdir / CONSOLE_FILE, "wb") as console,
-        open(workdir / STDERR_FILE, "wb") as stderr,
-    ):
-        try:
-            popen = subprocess.Popen(
-                argv,
-                cwd=workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=console,
-                stderr=stderr,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as exc:
-            raise VMMStartError(f"cannot run {argv[0]}: {exc}") from exc
-    return VMMProcess(popen.pid, popen)
 
 
 def _read_stats(pid: int) -> tuple[int, int, float]:
@@ -451,6 +428,13 @@ class FirecrackerDriver(VMMDriver):
     # Firecracker opens raw files only, and keeps guest RAM anonymous until a snapshot.
     disk_formats = ("raw",)
     shared_memory_boot = False
+    # No software emulation.
+    accelerators = ("kvm",)
+    # Raw drives have no backing files, so a running disk cannot be frozen under a new
+    # top image.
+    seals_drives = False
+    # Its pause files are not published to the snapshot repository yet.
+    publishes_paused_state = False
 
     def __init__(self, binary: Path) -> None:
         if not (binary.is_file() and os.access(binary, os.X_OK)):
@@ -586,15 +570,19 @@ class FirecrackerDriver(VMMDriver):
             "--log-path",
             str(workdir / LOG_FILE),
         ]
-        if spec.net is not None and spec.net.netns is not None:
-            ip = shutil.which("ip")
-            if ip is None:
-                raise VMMStartError("'ip' (iproute2) is needed to start Firecracker in a netns")
-            # `ip netns exec` enters the namespace and execs, so the pid stays Firecracker's.
-            argv = [ip, "netns", "exec", spec.net.netns, *argv]
+        process = launch(
+            LaunchSpec(
+                argv=tuple(argv),
+                cwd=workdir,
+                # Firecracker writes the guest console to its stdout.
+                stdout=workdir / CONSOLE_FILE,
+                stderr=workdir / STDERR_FILE,
+                netns=spec.net.netns if spec.net is not None else None,
+            )
+        )
         vm = FirecrackerVM(
             workdir=workdir,
-            process=_spawn(argv, workdir),
+            process=process,
             api=FirecrackerAPI(socket_path),
             shape=spec.shape(),
             tap=spec.net.tap if spec.net is not None else None,

@@ -1,11 +1,12 @@
 """Watching VMM processes that may outlive the server that started them.
 
-VMM processes run in their own session so a server restart does not take them down, and a
-new server re-adopts them. asyncio's subprocess transport is deliberately not used: it
-kills a still-running child when the transport is closed or garbage-collected, which is the
-opposite of what we want. Instead every process, started or adopted, is watched through a
-pidfd (readable once the process has exited), and processes we started are reaped with
-``waitpid`` so they do not linger as zombies.
+VMM processes run in their own session (:mod:`agentenv.vmm.launch` starts them) so a
+server restart does not take them down, and a new server re-adopts them. asyncio's
+subprocess transport is deliberately not used: it kills a still-running child when the
+transport is closed or garbage-collected, which is the opposite of what we want. Instead
+every process, started or adopted, is watched through a pidfd (readable once the process
+has exited), and processes we started are reaped with ``waitpid`` so they do not linger as
+zombies.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
 from pathlib import Path
 
 from agentenv.vmm.base import VMMGone
@@ -40,7 +40,8 @@ def is_zombie(pid: int) -> bool:
 
 
 class VMMProcess:
-    """One VMM process: started here (``spawn``) or left by a previous server (``adopt``)."""
+    """One VMM process: started here (by :func:`agentenv.vmm.launch.launch`, which passes
+    its ``Popen``) or left by a previous server (``adopt``)."""
 
     def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None) -> None:
         self.pid = pid
@@ -51,21 +52,6 @@ class VMMProcess:
         self._detached = False
         loop = asyncio.get_running_loop()
         loop.add_reader(self._pidfd, self._on_exit)
-
-    @classmethod
-    def spawn(cls, argv: Sequence[str], *, log_path: Path, cwd: Path) -> VMMProcess:
-        """Start ``argv`` in a new session with stdout and stderr appended to ``log_path``."""
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                cwd=cwd,
-                start_new_session=True,
-                close_fds=True,
-            )
-        return cls(popen.pid, popen)
 
     @classmethod
     def adopt(cls, pid: int) -> VMMProcess:

@@ -46,6 +46,7 @@ from agentenv.vmm.base import (
     VMRunState,
     VMStats,
 )
+from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, read_cmdline
 
 CONSOLE_LOG = "console.log"
@@ -518,6 +519,9 @@ class QemuDriver(VMMDriver):
     """Starts ``qemu-system-x86_64 -M microvm`` processes."""
 
     name = "qemu"
+    accelerators = ("tcg", "kvm")
+    seals_drives = True
+    publishes_paused_state = True
 
     def __init__(
         self,
@@ -587,14 +591,6 @@ class QemuDriver(VMMDriver):
             # the source recorded; restore() decides whether to continue.
             argv += ["-S", "-incoming", "defer"]
         return argv
-
-    def _process_argv(self, spec: MachineSpec, qemu_argv: list[str]) -> list[str]:
-        if spec.net is None or spec.net.netns is None:
-            return qemu_argv
-        # nsenter switches only the network namespace and then execs QEMU (same pid).
-        # `ip netns exec` would also put QEMU in a private mount namespace with its own
-        # /sys, so paths mounted on the host later (snapshot destinations) could differ.
-        return ["nsenter", f"--net=/run/netns/{spec.net.netns}", "--", *qemu_argv]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -710,12 +706,16 @@ class QemuDriver(VMMDriver):
     async def _launch(self, spec: MachineSpec, workdir: Path, *, incoming: bool) -> _Launch:
         _prepare_workdir(spec, workdir)
         qemu_argv = self.build_argv(spec, workdir, incoming=incoming)
-        try:
-            process = VMMProcess.spawn(
-                self._process_argv(spec, qemu_argv), log_path=workdir / PROCESS_LOG, cwd=workdir
+        process = launch(
+            LaunchSpec(
+                argv=tuple(qemu_argv),
+                cwd=workdir,
+                stdout=workdir / PROCESS_LOG,
+                stderr=workdir / PROCESS_LOG,
+                append_output=True,
+                netns=spec.net.netns if spec.net is not None else None,
             )
-        except OSError as exc:
-            raise VMMStartError(f"cannot start {qemu_argv[0]}: {exc}") from exc
+        )
         try:
             self._write_record(workdir, process.pid, qemu_argv, spec)
             qmp = await self._connect_qmp(process, qmp_socket_path(workdir))

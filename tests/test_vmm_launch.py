@@ -1,0 +1,255 @@
+"""The VMM launch seam (agentenv/vmm/launch.py) without VMs: the command chain it builds,
+and real processes (``sleep``, ``sh``) started in a network namespace, a cgroup and as
+another user. Tests that create namespaces or cgroups need root."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentenv.vmm.launch import (
+    Credentials,
+    Jail,
+    JailNotSupported,
+    LaunchError,
+    LaunchSpec,
+    command_line,
+    launch,
+)
+from agentenv.vmm.process import VMMProcess, read_cmdline
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, cgroups, setuid)")
+
+NOBODY = 65534
+
+
+def _spec(tmp_path: Path, argv: tuple[str, ...], **changes: Any) -> LaunchSpec:
+    spec = LaunchSpec(
+        argv=argv, cwd=tmp_path, stdout=tmp_path / "out.log", stderr=tmp_path / "err.log"
+    )
+    return replace(spec, **changes)
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+async def _exec_chain_done(pid: int, argv: tuple[str, ...]) -> None:
+    """Wait until ``pid`` runs ``argv`` itself, the helpers in front having exec'd it."""
+    for _ in range(500):
+        if read_cmdline(pid) == list(argv):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"pid {pid} still runs {read_cmdline(pid)}, not {list(argv)}")
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"aelt{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def _cgroup2_root() -> Path | None:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mount_point, fstype, *_ = line.split()
+        if fstype == "cgroup2":
+            return Path(mount_point)
+    return None
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    root = _cgroup2_root()
+    if root is None:
+        pytest.skip("no cgroup2 hierarchy mounted")
+    path = root / f"aenv-launch-test-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup under {root}: {exc}")
+    try:
+        yield path
+    finally:
+        path.rmdir()
+
+
+# -- the command chain ---------------------------------------------------------------------
+
+
+def test_default_runs_the_vmm_itself(tmp_path: Path) -> None:
+    assert command_line(_spec(tmp_path, ("qemu", "-M", "microvm"))) == ["qemu", "-M", "microvm"]
+
+
+def test_chain_joins_cgroup_then_netns_then_drops_privileges(tmp_path: Path) -> None:
+    fake_cgroup = tmp_path / "cg"
+    fake_cgroup.mkdir()
+    (fake_cgroup / "cgroup.procs").touch()
+    spec = _spec(
+        tmp_path,
+        ("vmm", "--flag"),
+        netns="ns1",
+        cgroup=fake_cgroup,
+        credentials=Credentials(uid=1000, gid=1001, groups=(5, 6)),
+    )
+    argv = command_line(spec)
+    assert argv[:2] == ["/bin/sh", "-c"]
+    assert argv[3] == str(fake_cgroup)
+    nsenter = argv.index("--net=/run/netns/ns1")
+    assert argv[nsenter - 1].endswith("/nsenter")
+    setpriv = next(i for i, part in enumerate(argv) if part.endswith("/setpriv"))
+    assert nsenter < setpriv
+    assert argv[setpriv + 1 : setpriv + 6] == [
+        "--reuid=1000",
+        "--regid=1001",
+        "--groups",
+        "5,6",
+        "--",
+    ]
+    assert argv[-2:] == ["vmm", "--flag"]
+
+
+def test_no_supplementary_groups_clears_them(tmp_path: Path) -> None:
+    argv = command_line(_spec(tmp_path, ("vmm",), credentials=Credentials(uid=1, gid=1)))
+    assert "--clear-groups" in argv
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "", "x" * 256, "sp ace"])
+def test_bad_netns_name_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(LaunchError, match="network namespace"):
+        command_line(_spec(tmp_path, ("vmm",), netns=name))
+
+
+def test_cgroup_must_be_a_cgroup_directory(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="not a cgroup"):
+        command_line(_spec(tmp_path, ("vmm",), cgroup=tmp_path))
+    with pytest.raises(LaunchError, match="not a cgroup"):
+        command_line(_spec(tmp_path, ("vmm",), cgroup=Path("relative")))
+
+
+def test_jail_is_not_supported_yet(tmp_path: Path) -> None:
+    with pytest.raises(JailNotSupported):
+        command_line(_spec(tmp_path, ("vmm",), jail=Jail(root=tmp_path)))
+
+
+def test_empty_command_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError):
+        command_line(_spec(tmp_path, ()))
+
+
+# -- real processes ------------------------------------------------------------------------
+
+
+async def test_missing_binary_is_a_launch_error(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="cannot start"):
+        launch(_spec(tmp_path, (str(tmp_path / "no-such-vmm"),)))
+
+
+async def test_detached_process_and_its_output(tmp_path: Path) -> None:
+    script = "echo out; echo err >&2; pwd; echo $AENV_LAUNCH_TEST"
+    spec = _spec(tmp_path, ("/bin/sh", "-c", script), env={"AENV_LAUNCH_TEST": "from-env"})
+    (tmp_path / "out.log").write_text("old\n")
+    process = launch(spec)
+    assert await process.wait(10)
+    assert process.returncode == 0
+    # Truncated, not appended to; stderr separate.
+    assert (tmp_path / "out.log").read_text() == f"out\n{tmp_path}\nfrom-env\n"
+    assert (tmp_path / "err.log").read_text() == "err\n"
+
+
+async def test_shared_output_file_is_appended_to(tmp_path: Path) -> None:
+    log = tmp_path / "vmm.log"
+    log.write_text("old\n")
+    spec = _spec(
+        tmp_path,
+        ("/bin/sh", "-c", "echo out; echo err >&2"),
+        stdout=log,
+        stderr=log,
+        append_output=True,
+    )
+    process = launch(spec)
+    assert await process.wait(10)
+    assert log.read_text() == "old\nout\nerr\n"
+
+
+async def test_process_outlives_a_dropped_handle(tmp_path: Path) -> None:
+    argv = ("sleep", "60")
+    process = launch(_spec(tmp_path, argv))
+    pid = process.pid
+    try:
+        # Its own session, so the server's terminal or session ending does not reach it.
+        assert os.getsid(pid) == pid
+        process.detach()
+        await asyncio.sleep(0.05)
+        assert read_cmdline(pid) == list(argv)
+        adopted = VMMProcess.adopt(pid)
+    finally:
+        os.kill(pid, 9)
+    assert await adopted.wait(10)
+    # The detached Popen did not reap it; the exited zombie is reaped here.
+    assert (await asyncio.to_thread(os.waitpid, pid, os.WNOHANG))[0] == pid
+
+
+@needs_root
+async def test_netns_cgroup_and_user(tmp_path: Path, netns: str, cgroup: Path) -> None:
+    argv = ("sleep", "60")
+    tmp_path.chmod(0o755)  # the unprivileged process keeps it as its cwd
+    spec = _spec(
+        tmp_path,
+        argv,
+        netns=netns,
+        cgroup=cgroup,
+        credentials=Credentials(uid=NOBODY, gid=NOBODY, groups=(NOBODY - 1,)),
+    )
+    process = launch(spec)
+    pid = process.pid
+    try:
+        await _exec_chain_done(pid, argv)  # same pid: every helper exec'd the next
+        ns = os.stat(f"/proc/{pid}/ns/net")
+        expected = os.stat(f"/run/netns/{netns}")
+        assert (ns.st_dev, ns.st_ino) == (expected.st_dev, expected.st_ino)
+        # Only the network namespace changes: the mount namespace is still the server's.
+        assert os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
+        assert os.getsid(pid) == pid
+        status = _status(pid)
+        assert status["Uid"].split() == [str(NOBODY)] * 4
+        assert status["Gid"].split() == [str(NOBODY)] * 4
+        assert status["Groups"].split() == [str(NOBODY - 1)]
+        assert status["CapEff"] == "0000000000000000"
+        assert str(pid) in (cgroup / "cgroup.procs").read_text().split()
+    finally:
+        await process.kill()
+    assert read_cmdline(pid) == []
+
+
+@needs_root
+async def test_netns_alone_keeps_root(tmp_path: Path, netns: str) -> None:
+    argv = ("sleep", "60")
+    process = launch(_spec(tmp_path, argv, netns=netns))
+    try:
+        await _exec_chain_done(process.pid, argv)
+        assert _status(process.pid)["Uid"].split() == ["0"] * 4
+        ns = os.stat(f"/proc/{process.pid}/ns/net")
+        assert ns.st_ino == os.stat(f"/run/netns/{netns}").st_ino
+    finally:
+        await process.kill()
+
+
+@needs_root
+async def test_missing_netns_stops_before_the_vmm(tmp_path: Path) -> None:
+    process = launch(_spec(tmp_path, ("sleep", "60"), netns=f"absent{uuid.uuid4().hex[:8]}"))
+    assert await process.wait(10)
+    assert process.returncode != 0
+    assert "nsenter" in (tmp_path / "err.log").read_text()
