@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.config import Config, ConfigError
+from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 
 
@@ -61,7 +62,7 @@ def test_store_round_trip(tmp_path: Path) -> None:
         sandbox_id="iabc",
         template_id="base",
         template_build_id="b1",
-        state="running",
+        state=SandboxState.RUNNING,
         slot=3,
         workdir=tmp_path / "iabc",
         started_at=now,
@@ -74,12 +75,12 @@ def test_store_round_trip(tmp_path: Path) -> None:
         env_vars={"A": "1"},
     )
     store.insert_sandbox(rec)
-    store.update_sandbox("iabc", state="paused", metadata={"k": "w"})
+    store.transition("iabc", SandboxState.RUNNING, SandboxState.PAUSING, metadata={"k": "w"})
     store.close()
     store.open()  # survives reopening
     loaded = store.get_sandbox("iabc")
     assert loaded is not None
-    assert loaded.state == "paused" and loaded.metadata == {"k": "w"}
+    assert loaded.state == "pausing" and loaded.metadata == {"k": "w"}
     assert loaded.end_at == rec.end_at
     assert store.used_slots() == {3}
     store.delete_sandbox("iabc")
@@ -124,14 +125,15 @@ def test_store_migrates_a_version_1_database(tmp_path: Path) -> None:
     [("running", "running"), ("pausing", "running"), ("paused", "paused"), ("resuming", "paused")],
 )
 def test_transitions_show_the_state_being_left(tmp_path: Path, stored: str, shown: str) -> None:
-    from agentenv.orchestrator.orchestrator import VISIBLE_STATES, SandboxView
+    from agentenv.orchestrator.states import VISIBLE_STATES
+    from agentenv.orchestrator.views import SandboxView
 
     now = utcnow()
     rec = SandboxRecord(
         sandbox_id="iabc",
         template_id="base",
         template_build_id="b1",
-        state=stored,
+        state=SandboxState(stored),
         slot=0,
         workdir=tmp_path,
         started_at=now,

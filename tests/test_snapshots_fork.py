@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from agentenv.orchestrator.orchestrator import MAX_DISK_CHAIN
+from agentenv.orchestrator.capture import MAX_DISK_CHAIN
 from agentenv.storage.images import backing_chain
 from tests.e2b.support import sdk_client, wait_until
 from tests.helpers import COUNTER, ServerProcess, netns_names, run_command, vmm_pids

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentenv import __version__
+from agentenv.api.errors import http_status
 from agentenv.api.models import (
     ConnectRequest,
     ErrorBody,
@@ -42,14 +43,16 @@ from agentenv.api.models import (
     TimeoutRequest,
 )
 from agentenv.api.templates import template_routes
+from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
     OrchestratorError,
     SandboxNotFound,
     SnapshotNotFound,
 )
-from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView, SnapshotView
+from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.orchestrator.views import SandboxView, SnapshotView
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
 log = logging.getLogger("agentenv.api")
@@ -73,6 +76,8 @@ def error_response(status: int, message: str) -> JSONResponse:
 def create_app(
     orchestrator: Orchestrator, api_key: str, *, manage_lifecycle: bool = True
 ) -> FastAPI:
+    builds = BuildManager(orchestrator)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
@@ -81,6 +86,7 @@ def create_app(
             yield
         finally:
             await proxy.aclose()
+            await builds.shutdown()
             if manage_lifecycle:
                 await orchestrator.shutdown()
 
@@ -97,7 +103,7 @@ def create_app(
     # -- errors: always JSON {code, message} ---------------------------------------------
     @app.exception_handler(OrchestratorError)
     async def _orchestrator_error(_: Request, exc: OrchestratorError) -> JSONResponse:
-        return error_response(exc.status, str(exc))
+        return error_response(http_status(exc), str(exc))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -137,7 +143,7 @@ def create_app(
             raise ApiError(401, "invalid API key")
 
     authed = [Depends(require_api_key)]
-    app.include_router(template_routes(orchestrator, api_key, authed))
+    app.include_router(template_routes(orchestrator, builds, api_key, authed))
 
     def sandbox_body(view: SandboxView) -> Sandbox:
         rec = view.record
@@ -195,28 +201,26 @@ def create_app(
     # -- routes --------------------------------------------------------------------------
     @app.get("/health", response_model=Health, tags=["node"])
     async def health() -> Health:
-        templates = {t.template_id: "ready" for t in orchestrator.store.list_templates()}
-        if BASE_TEMPLATE not in templates:
-            templates[BASE_TEMPLATE] = (
-                "building"
-                if orchestrator.templates.building()
-                else ("failed" if orchestrator.templates.last_error else "pending")
-            )
+        node = orchestrator.node_status()
         return Health(
-            status="degraded" if orchestrator.templates.last_error else "ok",
+            status="degraded" if node.problem else "ok",
             version=__version__,
-            vmm=orchestrator.driver.name,
-            accel=orchestrator.accel,
-            templates=templates,
-            sandboxes=len(orchestrator.list_sandboxes()),
-            detail=orchestrator.templates.last_error,
-            node=orchestrator.catalog.node,
-            repository=orchestrator.catalog.url,
+            vmm=node.vmm,
+            accel=node.accel,
+            templates=node.templates,
+            sandboxes=node.sandboxes,
+            detail=node.problem,
+            node=node.node,
+            repository=node.repository,
             cache=NodeCacheInfo(
-                usedBytes=orchestrator.catalog.cache.used_bytes(),
-                limitBytes=orchestrator.catalog.cache.limit_bytes,
-                entries=len(orchestrator.catalog.cache.keys()),
+                usedBytes=node.cache_used_bytes,
+                limitBytes=node.cache_limit_bytes,
+                entries=node.cache_entries,
             ),
+            sandboxesByState=node.sandboxes_by_state,
+            allocatedVcpus=node.allocated_vcpus,
+            allocatedMemoryMib=node.allocated_memory_mib,
+            memoryMode=node.memory_mode,
         )
 
     creates = IdempotentCreates()
@@ -539,7 +543,7 @@ def create_app(
             if isinstance(result, SandboxView):
                 out.append(ForkResult(sandbox=sandbox_body(result)))
             else:
-                status = result.status if isinstance(result, OrchestratorError) else 500
+                status = http_status(result)
                 out.append(ForkResult(error=ErrorBody(code=status, message=str(result))))
         return out
 

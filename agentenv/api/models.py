@@ -152,6 +152,11 @@ class Health(BaseModel):
     node: str | None = None
     repository: str | None = None
     cache: NodeCacheInfo | None = None
+    # The node contract a scheduler reads (Orchestrator.node_status).
+    sandboxes_by_state: dict[str, int] = Field(default_factory=dict, alias="sandboxesByState")
+    allocated_vcpus: int = Field(default=0, alias="allocatedVcpus")
+    allocated_memory_mib: int = Field(default=0, alias="allocatedMemoryMib")
+    memory_mode: str | None = Field(default=None, alias="memoryMode")
 
 
 class SandboxMetric(BaseModel):

@@ -30,23 +30,23 @@ from agentenv.api.models import (
     TemplateRequestResponse,
 )
 from agentenv.orchestrator.build_plan import PlanError, parse_build
-from agentenv.orchestrator.builds import Build
+from agentenv.orchestrator.builds import Build, BuildManager
 from agentenv.orchestrator.errors import (
     InvalidRequest,
     SnapshotNotFound,
     TemplateAliasNotFound,
 )
-from agentenv.orchestrator.orchestrator import Orchestrator, SnapshotView
+from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.orchestrator.views import SnapshotView
 
 LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
 
 
 def template_routes(
-    orchestrator: Orchestrator, api_key: str, authed: Sequence[Depends]
+    orchestrator: Orchestrator, builds: BuildManager, api_key: str, authed: Sequence[Depends]
 ) -> APIRouter:
     router = APIRouter(tags=["templates"])
-    builds = orchestrator.builds
 
     def upload_token(template_id: str, files_hash: str) -> str:
         message = f"{template_id}:{files_hash}".encode()

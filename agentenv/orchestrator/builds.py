@@ -20,8 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
+import httpx
+
+from agentenv.config import Config
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.build_plan import (
     BuildPlan,
@@ -42,11 +45,10 @@ from agentenv.orchestrator.errors import (
     TemplateNotFound,
 )
 from agentenv.orchestrator.store import utcnow
-from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
+from agentenv.orchestrator.views import SandboxView, SnapshotView
+from agentenv.snapshots.layout import MachineSnapshot
 from agentenv.storage.oci import ImageError, pull_image
-
-if TYPE_CHECKING:
-    from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
 
 log = logging.getLogger("agentenv.builds")
 
@@ -87,8 +89,39 @@ class Build:
         self.updated_at = utcnow()
 
 
+class SandboxHost(Protocol):
+    """What builds need of the node: the orchestrator facade, which builds use like
+    any other client (they are one), without importing it."""
+
+    config: Config
+    http: httpx.AsyncClient
+    templates: TemplateManager
+
+    async def create(
+        self, template_id: str, *, timeout: int | None = ..., metadata: dict[str, str] | None = ...
+    ) -> SandboxView: ...
+
+    async def create_from_machine(
+        self, snapshot: MachineSnapshot, template_id: str, *, timeout: int, metadata: dict[str, str]
+    ) -> SandboxView: ...
+
+    async def snapshot(
+        self,
+        sandbox_id: str,
+        name: str | None = ...,
+        *,
+        metadata: dict[str, str] | None = ...,
+        kind: Literal["snapshot", "template"] = ...,
+        replace_name: bool = ...,
+        wait_commit: bool = ...,
+        snapshot_id: str | None = ...,
+    ) -> SnapshotView: ...
+
+    async def kill(self, sandbox_id: str) -> None: ...
+
+
 class BuildManager:
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    def __init__(self, orchestrator: SandboxHost) -> None:
         self.orchestrator = orchestrator
         self.config = orchestrator.config
         self._builds: dict[str, Build] = {}
@@ -246,7 +279,7 @@ class BuildGuest:
     """The build sandbox's guest as the build's steps change it: environment, working
     directory and user carry from step to step, as in a Dockerfile."""
 
-    def __init__(self, orchestrator: Orchestrator, build: Build) -> None:
+    def __init__(self, orchestrator: SandboxHost, build: Build) -> None:
         self.http = orchestrator.http
         self.build = build
         self.address = ""

@@ -16,10 +16,11 @@ import logging
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from agentenv.config import Config
 from agentenv.orchestrator.errors import Conflict, NodeCacheFull, RepositoryUnavailable
+from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.objects import RepositoryError, open_store
@@ -41,7 +42,7 @@ async def _guard(what: str, work: Awaitable[T]) -> T:
         raise NodeCacheFull(f"{what}: {exc}") from exc
     except RepositoryError as exc:
         raise RepositoryUnavailable(f"{what}: {exc}") from exc
-    except (OSError, SnapshotError) as exc:
+    except (OSError, SnapshotError, MalformedRecord) as exc:
         raise RepositoryUnavailable(f"{what}: {exc}") from exc
 
 
@@ -75,23 +76,31 @@ class Catalog:
         return self.repository.url
 
     # -- snapshots and templates -------------------------------------------------------
-    async def lookup(self, key: str) -> dict[str, Any] | None:
+    async def lookup(self, key: str) -> SnapshotEntry | None:
         """The committed snapshot or template with id or name ``key``."""
 
-        async def find() -> dict[str, Any] | None:
+        async def find() -> SnapshotEntry | None:
             record = await self.repository.get_record(SNAPSHOTS, key) if _is_id(key) else None
-            if record is not None:
-                return record
-            target = await self.repository.resolve_name(key)
-            if target is None:
-                return None
-            return await self.repository.get_record(SNAPSHOTS, target)
+            if record is None:
+                target = await self.repository.resolve_name(key)
+                if target is None:
+                    return None
+                record = await self.repository.get_record(SNAPSHOTS, target)
+            return None if record is None else SnapshotEntry.from_wire(record)
 
         return await _guard(f"looking up {key!r} in the repository", find())
 
-    async def list_records(self, type_: str | None = None) -> list[dict[str, Any]]:
+    async def list_records(self, type_: str | None = None) -> list[SnapshotEntry]:
         records = await _guard("listing the repository", self.repository.list_records(SNAPSHOTS))
-        return [r for r in records if type_ is None or r.get("type") == type_]
+        entries = []
+        for record in records:
+            if type_ is not None and record.get("type") != type_:
+                continue
+            try:
+                entries.append(SnapshotEntry.from_wire(record))
+            except MalformedRecord as exc:
+                log.warning("skipping a record of the repository: %s", exc)
+        return entries
 
     async def name_holder(self, name: str) -> str | None:
         return await _guard("reading names", self.repository.resolve_name(name))
@@ -101,44 +110,42 @@ class Catalog:
             f"pushing snapshot {snap.directory.name}", self.publisher.publish(snap, **files)
         )
 
-    async def commit(
-        self, record: dict[str, Any], names: list[str], *, replace_names: bool = False
-    ) -> None:
+    async def commit(self, entry: SnapshotEntry, *, replace_names: bool = False) -> None:
         """Write a snapshot record (its blobs already pushed), then its names. With
         ``replace_names`` a name moves to this record (a template rebuilt under its
         name); otherwise a name held by another record is a conflict."""
+        names, snapshot_id = entry.names, entry.id
 
         async def work() -> None:
             for name in names:
                 holder = await self.repository.resolve_name(name)
-                if holder not in (None, record["id"]) and not replace_names:
+                if holder not in (None, snapshot_id) and not replace_names:
                     raise Conflict(f"name {name!r} is taken by {holder}")
-            await self.repository.put_record(SNAPSHOTS, record["id"], record)
+            await self.repository.put_record(SNAPSHOTS, snapshot_id, entry.to_wire())
             for name in names:
                 if replace_names:
-                    await self.repository.set_name(name, record["id"])
-                elif not await self.repository.claim_name(name, record["id"]):
+                    await self.repository.set_name(name, snapshot_id)
+                elif not await self.repository.claim_name(name, snapshot_id):
                     # Lost a race for the name: the record goes without it.
-                    await self.repository.put_record(
-                        SNAPSHOTS, record["id"], {**record, "names": []}
-                    )
+                    nameless = entry.model_copy(update={"names": []})
+                    await self.repository.put_record(SNAPSHOTS, snapshot_id, nameless.to_wire())
                     raise Conflict(f"name {name!r} was taken meanwhile")
 
-        await _guard(f"committing {record['id']}", work())
+        await _guard(f"committing {snapshot_id}", work())
 
-    async def delete(self, record: dict[str, Any]) -> None:
+    async def delete(self, entry: SnapshotEntry) -> None:
         async def work() -> None:
-            for name in record.get("names", []):
-                await self.repository.drop_name(name, expected_target=record["id"])
-            await self.repository.delete_record(SNAPSHOTS, record["id"])
+            for name in entry.names:
+                await self.repository.drop_name(name, expected_target=entry.id)
+            await self.repository.delete_record(SNAPSHOTS, entry.id)
 
-        await _guard(f"deleting {record['id']}", work())
-        self.cache.remove(f"snap:{record['id']}")
+        await _guard(f"deleting {entry.id}", work())
+        self.cache.remove(f"snap:{entry.id}")
 
-    async def fetch(self, record: dict[str, Any], say: Callable[[str], None]) -> MachineSnapshot:
-        """The local, restorable copy of committed snapshot ``record`` (fetched into the
+    async def fetch(self, entry: SnapshotEntry, say: Callable[[str], None]) -> MachineSnapshot:
+        """The local, restorable copy of committed snapshot ``entry`` (fetched into the
         cache unless it is there already)."""
-        snapshot_id = record["id"]
+        snapshot_id = entry.id
         key = f"snap:{snapshot_id}"
         lock = self._fetching.setdefault(key, asyncio.Lock())
         async with lock:
@@ -152,25 +159,28 @@ class Catalog:
             snap = await _guard(
                 f"fetching {snapshot_id}",
                 self.fetcher.materialise(
-                    record["manifest"], record["blobs"], directory, top_shared=True, say=say
+                    entry.manifest, entry.blobs, directory, top_shared=True, say=say
                 ),
             )
             self.cache.add(key, directory)
             return snap
 
     # -- paused sandboxes --------------------------------------------------------------
-    async def put_paused(self, sandbox_id: str, record: dict[str, Any]) -> None:
+    async def put_paused(self, entry: PausedEntry) -> None:
         await _guard(
-            f"committing paused {sandbox_id}",
-            self.repository.put_record(PAUSED, sandbox_id, record),
+            f"committing paused {entry.sandbox_id}",
+            self.repository.put_record(PAUSED, entry.sandbox_id, entry.to_wire()),
         )
 
-    async def get_paused(self, sandbox_id: str) -> dict[str, Any] | None:
+    async def get_paused(self, sandbox_id: str) -> PausedEntry | None:
         if not _is_id(sandbox_id):
             return None
-        return await _guard(
-            f"looking up {sandbox_id}", self.repository.get_record(PAUSED, sandbox_id)
-        )
+
+        async def find() -> PausedEntry | None:
+            record = await self.repository.get_record(PAUSED, sandbox_id)
+            return None if record is None else PausedEntry.from_wire(record)
+
+        return await _guard(f"looking up {sandbox_id}", find())
 
     async def drop_paused(self, sandbox_id: str) -> None:
         await _guard(
@@ -196,12 +206,12 @@ class Catalog:
         )
 
     async def materialise_paused(
-        self, record: dict[str, Any], directory: Path, say: Callable[[str], None]
+        self, entry: PausedEntry, directory: Path, say: Callable[[str], None]
     ) -> MachineSnapshot:
         return await _guard(
-            f"fetching paused {record['sandbox_id']}",
+            f"fetching paused {entry.sandbox_id}",
             self.fetcher.materialise(
-                record["manifest"], record["blobs"], directory, top_shared=False, say=say
+                entry.manifest, entry.blobs, directory, top_shared=False, say=say
             ),
         )
 

@@ -1,16 +1,38 @@
-"""Errors the orchestrator raises; the API maps each to one HTTP status."""
+"""Errors the orchestrator raises. Each carries a stable :class:`ErrorCode`, which is
+what callers match on; HTTP statuses are the API's business (``agentenv.api.errors``
+maps codes to them)."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    INTERNAL = "internal"
+    SANDBOX_NOT_FOUND = "sandbox_not_found"
+    TEMPLATE_NOT_FOUND = "template_not_found"
+    INVALID_REQUEST = "invalid_request"
+    CONFLICT = "conflict"
+    CAPACITY_EXHAUSTED = "capacity_exhausted"
+    TEMPLATE_UNAVAILABLE = "template_unavailable"
+    SANDBOX_START_FAILED = "sandbox_start_failed"
+    GUEST_UNAVAILABLE = "guest_unavailable"
+    OPERATION_FAILED = "operation_failed"
+    SNAPSHOT_NOT_FOUND = "snapshot_not_found"
+    REPOSITORY_UNAVAILABLE = "repository_unavailable"
+    NODE_CACHE_FULL = "node_cache_full"
+    BUILD_FAILED = "build_failed"
+    TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
+
 
 class OrchestratorError(Exception):
-    """Base class. ``status`` is the HTTP status the API answers with."""
+    """Base class; ``code`` says what kind of failure it is."""
 
-    status = 500
+    code = ErrorCode.INTERNAL
 
 
 class SandboxNotFound(OrchestratorError):
-    status = 404
+    code = ErrorCode.SANDBOX_NOT_FOUND
 
     def __init__(self, sandbox_id: str) -> None:
         super().__init__(f"sandbox {sandbox_id!r} not found")
@@ -18,7 +40,7 @@ class SandboxNotFound(OrchestratorError):
 
 
 class TemplateNotFound(OrchestratorError):
-    status = 400
+    code = ErrorCode.TEMPLATE_NOT_FOUND
 
     def __init__(self, template_id: str) -> None:
         super().__init__(f"template {template_id!r} not found")
@@ -26,41 +48,41 @@ class TemplateNotFound(OrchestratorError):
 
 
 class InvalidRequest(OrchestratorError):
-    status = 400
+    code = ErrorCode.INVALID_REQUEST
 
 
 class Conflict(OrchestratorError):
-    status = 409
+    code = ErrorCode.CONFLICT
 
 
 class CapacityExhausted(OrchestratorError):
-    status = 503
+    code = ErrorCode.CAPACITY_EXHAUSTED
 
 
 class TemplateUnavailable(OrchestratorError):
     """The template exists but could not be built or loaded on this node."""
 
-    status = 503
+    code = ErrorCode.TEMPLATE_UNAVAILABLE
 
 
 class SandboxStartFailed(OrchestratorError):
-    status = 500
+    code = ErrorCode.SANDBOX_START_FAILED
 
 
 class GuestUnavailable(OrchestratorError):
     """The sandbox exists but its guest agent did not answer."""
 
-    status = 502
+    code = ErrorCode.GUEST_UNAVAILABLE
 
 
 class OperationFailed(OrchestratorError):
     """A lifecycle operation failed; the sandbox is left in the state it was in before."""
 
-    status = 500
+    code = ErrorCode.OPERATION_FAILED
 
 
 class SnapshotNotFound(OrchestratorError):
-    status = 404
+    code = ErrorCode.SNAPSHOT_NOT_FOUND
 
     def __init__(self, key: str) -> None:
         super().__init__(f"snapshot {key!r} not found")
@@ -70,23 +92,23 @@ class SnapshotNotFound(OrchestratorError):
 class RepositoryUnavailable(OrchestratorError):
     """The snapshot repository could not be read or written."""
 
-    status = 503
+    code = ErrorCode.REPOSITORY_UNAVAILABLE
 
 
 class NodeCacheFull(OrchestratorError):
     """What this node must fetch does not fit its cache: everything in it is in use."""
 
-    status = 507
+    code = ErrorCode.NODE_CACHE_FULL
 
 
 class BuildFailed(OrchestratorError):
-    status = 400
+    code = ErrorCode.BUILD_FAILED
 
 
 class TemplateAliasNotFound(OrchestratorError):
     """No template has this name (E2B answers 404 here, not the 400 of a create)."""
 
-    status = 404
+    code = ErrorCode.TEMPLATE_ALIAS_NOT_FOUND
 
     def __init__(self, alias: str) -> None:
         super().__init__(f"template {alias!r} not found")

@@ -1,17 +1,23 @@
-"""SQLite records of sandboxes and templates under the data directory.
+"""SQLite records of sandboxes, snapshots and templates under the data directory.
 
 Every statement is a short local transaction, so calls are made directly from the event
-loop; the database is opened in WAL mode so a crash never leaves a torn record.
+loop; the database is opened in WAL mode so a crash never leaves a torn record. A
+sandbox's state changes only through :meth:`Store.transition`, a compare-and-set that
+refuses what the state machine (:mod:`.states`) does not allow; it is also where
+lifecycle events are emitted, to the listeners added with :meth:`Store.listen`.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from agentenv.orchestrator.states import IllegalTransition, SandboxState, StateChanged, allowed
 
 SCHEMA_VERSION = 2
 
@@ -116,7 +122,7 @@ class SandboxRecord:
     sandbox_id: str
     template_id: str
     template_build_id: str
-    state: str
+    state: SandboxState
     slot: int
     workdir: Path
     started_at: datetime
@@ -142,16 +148,45 @@ class SandboxRecord:
     pause_mode: str | None = None
 
 
-class Store:
-    """Sandbox and template records. Not thread-safe: used from the event loop only."""
+@dataclass(frozen=True)
+class SandboxEvent:
+    """A sandbox entered state ``new`` (None: its record is gone) from ``old`` (None:
+    it was just recorded)."""
 
-    def __init__(self, path: Path) -> None:
+    sandbox_id: str
+    old: SandboxState | None
+    new: SandboxState | None
+    at: datetime
+
+
+SandboxListener = Callable[[SandboxEvent], None]
+
+
+class Store:
+    """Sandbox and template records. Not thread-safe: used from the event loop only.
+    ``path`` ``None`` keeps them in memory (tests)."""
+
+    def __init__(self, path: Path | None) -> None:
         self.path = path
         self._db: sqlite3.Connection | None = None
+        self._listeners: list[SandboxListener] = []
+
+    def listen(self, listener: SandboxListener) -> None:
+        """Call ``listener`` on every sandbox state change, after it is written.
+        Listeners must be quick and must not raise."""
+        self._listeners.append(listener)
+
+    def _emit(self, sandbox_id: str, old: SandboxState | None, new: SandboxState | None) -> None:
+        event = SandboxEvent(sandbox_id, old, new, utcnow())
+        for listener in self._listeners:
+            listener(event)
 
     def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None)
+        if self.path is None:
+            db = sqlite3.connect(":memory:", isolation_level=None)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, isolation_level=None)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -210,10 +245,38 @@ class Store:
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         self.db.execute(f"INSERT INTO sandboxes ({names}) VALUES ({marks})", list(row.values()))
+        self._emit(rec.sandbox_id, None, rec.state)
 
     def update_sandbox(self, sandbox_id: str, **changes: Any) -> None:
-        if not changes:
-            return
+        """Change fields of a sandbox's record other than its state."""
+        if "state" in changes:
+            raise ValueError("a sandbox's state changes only through Store.transition")
+        if changes:
+            self._update(sandbox_id, changes, None)
+
+    def transition(
+        self,
+        sandbox_id: str,
+        expected: SandboxState,
+        new: SandboxState,
+        **changes: Any,
+    ) -> None:
+        """Move a sandbox from state ``expected`` to ``new``, with other field
+        ``changes`` in the same write. :class:`IllegalTransition` if the state machine
+        has no such edge; :class:`StateChanged` if the record is not in ``expected``
+        (another operation moved it, or it is gone)."""
+        if not allowed(expected, new):
+            raise IllegalTransition(sandbox_id, expected, new)
+        if not self._update(sandbox_id, {**changes, "state": new.value}, expected):
+            current = self.get_sandbox(sandbox_id)
+            raise StateChanged(
+                sandbox_id, frozenset({expected}), current.state if current else None
+            )
+        self._emit(sandbox_id, expected, new)
+
+    def _update(
+        self, sandbox_id: str, changes: dict[str, Any], expected: SandboxState | None
+    ) -> bool:
         columns = []
         values: list[Any] = []
         for key, value in changes.items():
@@ -225,14 +288,23 @@ class Store:
             elif isinstance(value, Path):
                 value = str(value)
             values.append(value)
+        where = "sandbox_id = ?"
         values.append(sandbox_id)
-        self.db.execute(
-            f"UPDATE sandboxes SET {', '.join(columns)} WHERE sandbox_id = ?",
-            values,
-        )
+        if expected is not None:
+            where += " AND state = ?"
+            values.append(expected.value)
+        cursor = self.db.execute(f"UPDATE sandboxes SET {', '.join(columns)} WHERE {where}", values)
+        return cursor.rowcount == 1
 
     def delete_sandbox(self, sandbox_id: str) -> None:
+        current = self.get_sandbox(sandbox_id)
         self.db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+        if current is not None:
+            self._emit(sandbox_id, current.state, None)
+
+    def count_by_state(self) -> dict[SandboxState, int]:
+        rows = self.db.execute("SELECT state, COUNT(*) FROM sandboxes GROUP BY state")
+        return {SandboxState(r[0]): int(r[1]) for r in rows}
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         row = self.db.execute(
@@ -323,7 +395,7 @@ def _sandbox_row(rec: SandboxRecord) -> dict[str, Any]:
         "sandbox_id": rec.sandbox_id,
         "template_id": rec.template_id,
         "template_build_id": rec.template_build_id,
-        "state": rec.state,
+        "state": rec.state.value,
         "slot": rec.slot,
         "workdir": str(rec.workdir),
         "started_at": rec.started_at.isoformat(),
@@ -352,7 +424,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
         sandbox_id=row["sandbox_id"],
         template_id=row["template_id"],
         template_build_id=row["template_build_id"],
-        state=row["state"],
+        state=SandboxState(row["state"]),
         slot=row["slot"],
         workdir=Path(row["workdir"]),
         started_at=datetime.fromisoformat(row["started_at"]),

@@ -35,7 +35,8 @@ from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 from agentenv.orchestrator.errors import OrchestratorError, SandboxNotFound
-from agentenv.orchestrator.orchestrator import Orchestrator, SandboxView
+from agentenv.orchestrator.orchestrator import Orchestrator
+from agentenv.orchestrator.views import SandboxView
 from agentenv.proxy.paths import PathRefused, RequestPath
 
 log = logging.getLogger("agentenv.proxy")

@@ -1,0 +1,85 @@
+"""The records nodes exchange through the snapshot repository, typed and versioned.
+
+A node reads records other nodes (possibly older or newer servers) wrote, so: every
+record carries ``version``; a record without one is version 1 (written before records
+had it); fields a reader does not know are ignored, and fields added later must have
+defaults. The JSON written is exactly the fields below, so older readers that look keys
+up by name keep working.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+RECORD_VERSION = 1
+
+
+class MalformedRecord(ValueError):
+    """A repository record that does not parse as its type."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = RECORD_VERSION
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Self:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            what = data.get("id") or data.get("sandbox_id") or "?"
+            raise MalformedRecord(f"{cls.__name__} {what}: {exc}") from exc
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class SnapshotEntry(_Record):
+    """A committed snapshot or template (``catalog/snapshot/<id>``)."""
+
+    id: str
+    type: str = "snapshot"
+    names: list[str] = Field(default_factory=list)
+    sandbox_id: str = ""
+    template_id: str = ""
+    parent_id: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime
+    # The node that committed it.
+    node: str = ""
+    vcpus: int
+    memory_mib: int
+    disk_size_mib: int
+    envd_version: str
+    # The snapshot's portable description and the blobs it references (snapshots/).
+    manifest: dict[str, Any]
+    blobs: dict[str, str]
+
+
+class PausedEntry(_Record):
+    """A sandbox paused on some node, resumable on any (``catalog/paused/<id>``):
+    generation ``generation`` of it, held by whoever claims that generation first."""
+
+    sandbox_id: str
+    generation: int
+    node: str = ""
+    template_id: str
+    template_build_id: str
+    snapshot_id: str | None = None
+    parent_id: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    envd_token: str | None = None
+    auto_pause: bool = False
+    auto_resume: bool = False
+    allow_internet: bool = False
+    envd_version: str
+    started_at: datetime
+    end_at: datetime
+    paused_at: datetime
+    manifest: dict[str, Any]
+    blobs: dict[str, str]

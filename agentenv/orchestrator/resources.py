@@ -1,0 +1,170 @@
+"""What a node lends its sandboxes: network slots, network namespaces kept a while
+after a pause, and the files sandboxes and snapshots depend on (pinned against cache
+eviction, collected once unused).
+
+Owns the reserved-slot set and the lingering-network timers. Reads records from the
+store; changes only snapshot records it collects (deleted ones whose files go).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+from agentenv.network import NetworkManager, SandboxNetwork
+from agentenv.orchestrator.errors import CapacityExhausted
+from agentenv.orchestrator.layout import SnapshotDir
+from agentenv.orchestrator.operations import SandboxOperations
+from agentenv.orchestrator.states import SandboxState
+from agentenv.orchestrator.store import SandboxRecord, Store
+from agentenv.snapshots.cache import NodeCache
+from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
+from agentenv.storage.images import backing_chain
+
+log = logging.getLogger("agentenv.orchestrator")
+
+
+class Slots:
+    """Network slots: a slot is a sandbox's veth range and guest address. Recorded
+    sandboxes hold theirs; one being created or adopted holds a reservation."""
+
+    def __init__(self, store: Store, network: NetworkManager) -> None:
+        self.store = store
+        self.network = network
+        self._reserved: set[int] = set()
+
+    def reserve(self) -> int:
+        used = self.store.used_slots() | self._reserved
+        slot = 0
+        while slot in used:
+            slot += 1
+        if self.network.max_slots is not None and slot >= self.network.max_slots:
+            raise CapacityExhausted("no free network slots on this node")
+        self._reserved.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._reserved.discard(slot)
+
+
+class NetworkLeases:
+    """Sandboxes' network namespaces across a pause: kept ``linger`` seconds after it,
+    so a quick resume finds its namespace built, then released."""
+
+    def __init__(
+        self,
+        network: NetworkManager,
+        store: Store,
+        operations: SandboxOperations,
+        linger: float,
+    ) -> None:
+        self.network = network
+        self.store = store
+        self.operations = operations
+        self.linger = linger
+        self._lingering: dict[str, asyncio.Task[None]] = {}
+
+    def release_later(self, rec: SandboxRecord) -> None:
+        sandbox_id = rec.sandbox_id
+
+        async def release() -> None:
+            await asyncio.sleep(self.linger)
+            async with self.operations.lock(sandbox_id):
+                if self._lingering.get(sandbox_id) is not task:
+                    return
+                del self._lingering[sandbox_id]
+                current = self.store.get_sandbox(sandbox_id)
+                if current is None or current.state != SandboxState.PAUSED:
+                    return
+                try:
+                    await self.network.destroy(current.slot)
+                except Exception as exc:
+                    # Retried when the slot is next used, or at the next start.
+                    log.warning("sandbox %s: releasing its network failed: %s", sandbox_id, exc)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._lingering[sandbox_id] = task
+
+    async def take(self, rec: SandboxRecord) -> SandboxNetwork:
+        """The sandbox's network: still there if its pause was recent, else built."""
+        lingering = self._lingering.pop(rec.sandbox_id, None)
+        if lingering is not None and not lingering.done():
+            lingering.cancel()
+            return self.network.describe(rec.slot)
+        return await self.network.create(rec.slot, allow_internet=rec.allow_internet)
+
+    def forget(self, rec: SandboxRecord) -> None:
+        """Stop the timer of a sandbox whose network goes another way (kill, handoff)."""
+        lingering = self._lingering.pop(rec.sandbox_id, None)
+        if lingering is not None:
+            lingering.cancel()
+
+    async def release_now(self, rec: SandboxRecord) -> None:
+        self.forget(rec)
+        try:
+            await self.network.destroy(rec.slot)
+        except Exception as exc:
+            log.warning("sandbox %s: releasing its network failed: %s", rec.sandbox_id, exc)
+
+    def shutdown(self) -> None:
+        for lingering in self._lingering.values():
+            lingering.cancel()
+        self._lingering.clear()
+
+
+class FilePins:
+    """The files sandboxes and live snapshots depend on: their disk chains, and the
+    snapshots sandboxes started from. Those are pinned in the node cache and never
+    collected; hidden snapshots nothing depends on are removed."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def pinned_keys(self, cache: NodeCache) -> set[str]:
+        """Node-cache entries that sandboxes of this node use (their disk chains and the
+        snapshots they started from): never evicted."""
+        used: set[Path] = set()
+        for sandbox in self.store.list_sandboxes():
+            if sandbox.source_dir is not None:
+                used.add(sandbox.source_dir)
+                with contextlib.suppress(SnapshotError):
+                    source = MachineSnapshot.load(sandbox.source_dir)
+                    used.update(source.required_files())
+                    used.update(backing_chain(source.disk))
+            if sandbox.disk_path is not None:
+                used.update(backing_chain(sandbox.disk_path))
+        for snap in self.store.list_snapshots():
+            if snap.state in ("ready", "pending"):
+                used.update(backing_chain(SnapshotDir(snap.snapshot_dir).disk))
+        pinned = set()
+        for key in cache.keys():
+            path = cache.peek(key)
+            if path is not None and (path in used or any(p.is_relative_to(path) for p in used)):
+                pinned.add(key)
+        return pinned
+
+    def collect_snapshots(self) -> list[str]:
+        """Remove hidden snapshots (deleted ones, fork images) whose files nothing uses:
+        no sandbox's disk chain or source, no live snapshot's chain."""
+        records = self.store.list_snapshots()
+        used: set[Path] = set()
+        for sandbox in self.store.list_sandboxes():
+            if sandbox.source_dir is not None:
+                used.add(sandbox.source_dir)
+            if sandbox.disk_path is not None:
+                used.update(p.parent for p in backing_chain(sandbox.disk_path))
+        for snap in records:
+            if snap.state == "ready":
+                used.update(p.parent for p in backing_chain(SnapshotDir(snap.snapshot_dir).disk))
+        removed = []
+        for snap in records:
+            if snap.state == "deleted" and snap.snapshot_dir not in used:
+                shutil.rmtree(snap.snapshot_dir, ignore_errors=True)
+                self.store.delete_snapshot(snap.snapshot_id)
+                removed.append(snap.snapshot_id)
+        if removed:
+            log.info("removed unused snapshots %s", ", ".join(removed))
+        return removed

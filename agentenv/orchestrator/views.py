@@ -1,0 +1,61 @@
+"""What callers (the API, the proxy, template builds) see of sandboxes and snapshots:
+read-only views over store records, in the states the E2B API knows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.orchestrator.records import SnapshotEntry
+from agentenv.orchestrator.states import PUBLIC_STATE
+from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord
+
+
+@dataclass(frozen=True)
+class SandboxView:
+    """What callers see of a sandbox."""
+
+    record: SandboxRecord
+    guest_address: str
+    children: tuple[str, ...] = ()
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.record.sandbox_id
+
+    @property
+    def state(self) -> str:
+        """``running`` or ``paused``: a change in progress shows the state the sandbox
+        is leaving, which is what it still is until the change completes."""
+        return PUBLIC_STATE.get(self.record.state, self.record.state)
+
+
+@dataclass(frozen=True)
+class SnapshotView:
+    record: SnapshotRecord
+
+    @property
+    def snapshot_id(self) -> str:
+        return self.record.snapshot_id
+
+    @property
+    def names(self) -> list[str]:
+        return [self.record.name] if self.record.name else []
+
+    @classmethod
+    def of_entry(cls, entry: SnapshotEntry) -> SnapshotView:
+        """A committed snapshot as the local record type (it has no directory here)."""
+        return cls(
+            SnapshotRecord(
+                snapshot_id=entry.id,
+                name=entry.names[0] if entry.names else None,
+                kind=entry.type,
+                state="ready",
+                sandbox_id=entry.sandbox_id,
+                template_id=entry.template_id,
+                parent_id=entry.parent_id,
+                snapshot_dir=Path(),
+                metadata=dict(entry.metadata),
+                created_at=entry.created_at,
+            )
+        )
