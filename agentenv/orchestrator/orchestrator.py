@@ -138,7 +138,10 @@ class Orchestrator:
         accel: Literal["tcg", "kvm"],
         network: NetworkManager | None = None,
         store: Store | None = None,
+        http: httpx.AsyncClient | None = None,
     ) -> None:
+        """``network``, ``store`` and ``http`` (to guests' envd) default to the real
+        ones; tests pass fakes."""
         self.config = config
         self.driver = driver
         self.accel = accel
@@ -149,7 +152,7 @@ class Orchestrator:
         )
         # No keep-alive: guest addresses are reused with network slots, so a pooled
         # connection could outlive its sandbox and reach the next one.
-        self.http = httpx.AsyncClient(
+        self.http = http or httpx.AsyncClient(
             trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
