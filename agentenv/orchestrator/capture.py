@@ -178,6 +178,11 @@ class Capture:
         image, sealed in place while new writes go to a fresh top. The VM is stopped only
         for that; it runs on afterwards whatever happens."""
         vm = self.machines.running_vm(rec)
+        if not self.machines.driver.seals_drives:
+            raise OperationFailed(
+                f"snapshots and forks need a VMM that can seal a running disk; "
+                f"{self.machines.driver.name} cannot"
+            )
         phases = PhaseTimer()
         source = self.sources.of_sandbox(rec)
         directory = self.snapshots_dir / snapshot_id
