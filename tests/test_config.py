@@ -12,6 +12,8 @@ import pytest
 from agentenv.config import NOT_SETTINGS, Config, ConfigError
 from agentenv.snapshots.objects import S3ObjectStore, open_store
 from agentenv.snapshots.settings import S3Settings
+from agentenv.storage.oci import _policy_args
+from agentenv.vmm.firecracker_binary import FIRECRACKER_ENV, find_firecracker
 
 
 def load(home: Path, env: dict[str, str] | None = None, **overrides: Any) -> Config:
@@ -266,3 +268,26 @@ def test_s3_store_is_opened_with_configured_settings() -> None:
     from_env = open_store("s3://bucket", {"AWS_ENDPOINT_URL": "http://127.0.0.1:2"})
     assert isinstance(from_env, S3ObjectStore)
     assert from_env._make_client().meta.endpoint_url == "http://127.0.0.1:2"
+
+
+def test_firecracker_binary_from_config_not_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configured = tmp_path / "fc"
+    configured.write_text("#!/bin/sh\n")
+    configured.chmod(0o755)
+    monkeypatch.setenv(FIRECRACKER_ENV, str(tmp_path / "not-this-one"))
+    assert find_firecracker(configured) == configured
+    monkeypatch.setattr(
+        "agentenv.vmm.firecracker_binary.DEFAULT_FIRECRACKER_PATH", tmp_path / "missing"
+    )
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    # Nothing configured: the variable is not consulted behind Config's back.
+    assert find_firecracker(None) is None
+
+
+def test_skopeo_policy_looked_up_in_configured_home(tmp_path: Path) -> None:
+    user_home = tmp_path / "home"
+    (user_home / ".config/containers").mkdir(parents=True)
+    (user_home / ".config/containers/policy.json").write_text("{}")
+    assert _policy_args(tmp_path / "cache", user_home) == []
