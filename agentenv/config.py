@@ -1,19 +1,37 @@
-"""One :class:`Config` for a node server, read from a TOML file and ``AENV_*`` variables.
+"""The node server's configuration: one frozen, validated :class:`Config`, and the only
+place the server reads its environment (code elsewhere gets its values from ``Config``).
 
 Precedence: explicit keyword arguments > environment variables > config file > defaults.
-The config file is ``$AENV_CONFIG`` if set, else ``$AENV_HOME/config.toml`` if it exists.
+The config file is ``$AENV_CONFIG`` if set, else ``$AENV_HOME/config.toml`` if it exists;
+its keys are the field names (flat, or in an ``[agentenv]`` table), the S3 settings in an
+``[s3]`` table. A field ``name`` is read from ``AENV_<NAME>``, except ``s3`` (the usual
+``AWS_*`` variables, see :class:`~agentenv.snapshots.settings.S3Settings`) and
+``user_home`` (``HOME``). Pydantic coerces the values (``"4"`` for a number,
+``1/true/yes/on`` and ``0/false/no/off`` for a flag) and validates them; a bad value is a
+:class:`ConfigError` naming the key, where it came from, what was expected and what it
+got.
+
+Unknown keys are refused with the list of valid ones: in the file, as keyword arguments,
+and as ``AENV_*`` variables, except those in :data:`NOT_SETTINGS`, which the client, the
+test suite and the install scripts use under the same prefix. A misspelt setting thus
+stops the server instead of being silently ignored.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import secrets
 import socket
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agentenv.snapshots.settings import S3Settings
 
 DEFAULT_HOME = Path("/var/lib/agentenv")
 DEFAULT_IMAGE_CACHE = Path("/var/cache/agentenv/images")
@@ -21,34 +39,29 @@ DEFAULT_IMAGE_CACHE = Path("/var/cache/agentenv/images")
 VmmSetting = Literal["auto", "qemu", "firecracker"]
 AccelSetting = Literal["auto", "kvm", "tcg"]
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+#: ``AENV_*`` variables that are not server settings, so the server does not refuse them
+#: when they are in its environment (a shell that also runs the CLI, the test runner).
+NOT_SETTINGS = frozenset(
+    {
+        "AENV_CONFIG",  # names the config file; read by Config.load itself
+        "AENV_SERVER",  # the aenv CLI's and agentenv.client's server URL
+        "AENV_TEST_DIR",  # tests and benchmarks: where their servers keep data
+        "AENV_KEEP_TEST_ROOT",  # tests: keep that data for a post-mortem
+        "AENV_CACHE",  # scripts/install: cache root
+        "AENV_PYTHON",  # scripts/install: the Python the virtualenv is made with
+        "AENV_SKIP_DATA_FS",  # scripts/install: leave AENV_HOME's filesystem alone
+    }
+)
+
+# Values never repeated in an error message.
+_SECRET_KEYS = frozenset({"api_key", "s3.secret_access_key", "s3.session_token"})
+
 
 class ConfigError(ValueError):
-    """A configuration value is missing or malformed."""
+    """A configuration value is missing, unknown or malformed."""
 
-
-# Environment variable -> Config field. Everything settable in the file is settable here.
-_ENV_FIELDS: dict[str, str] = {
-    "AENV_HOME": "home",
-    "AENV_LISTEN": "listen",
-    "AENV_API_KEY": "api_key",
-    "AENV_IMAGE_CACHE": "image_cache",
-    "AENV_VMM": "vmm",
-    "AENV_ACCEL": "accel",
-    "AENV_VCPUS": "vcpus",
-    "AENV_MEMORY_MIB": "memory_mib",
-    "AENV_DEFAULT_TIMEOUT": "default_timeout",
-    "AENV_MAX_TIMEOUT": "max_timeout",
-    "AENV_NET_SUBNET": "net_subnet",
-    "AENV_DOMAIN": "domain",
-    "AENV_LOG_LEVEL": "log_level",
-    "AENV_NETWORK_LINGER": "network_linger",
-    "AENV_SANDBOX_MEMORY": "sandbox_memory",
-    "AENV_REPOSITORY": "repository",
-    "AENV_CACHE_SIZE": "cache_size",
-    "AENV_NODE_ID": "node_id",
-    "AENV_INSECURE_REGISTRIES": "insecure_registries",
-    "AENV_HONOUR_V1_SECURE_FLAG": "honour_v1_secure_flag",
-}
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -68,18 +81,26 @@ def parse_size(text: str) -> int:
     return size
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(BaseModel):
+    """A node server's settings. Build it with :meth:`load` (or derive one with
+    :meth:`with_overrides`), which turn invalid input into :class:`ConfigError`;
+    constructing it directly raises Pydantic's ``ValidationError`` instead."""
+
+    # Numbers are accepted where text is expected (``node_id = 7``, ``cache_size =
+    # 1073741824`` in the file).
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+
     home: Path = DEFAULT_HOME
     listen: str = "127.0.0.1:8000"
-    api_key: str | None = None
+    # Left out of repr() so a logged configuration does not show it.
+    api_key: str | None = Field(default=None, repr=False)
     image_cache: Path = DEFAULT_IMAGE_CACHE
     vmm: VmmSetting = "auto"
     accel: AccelSetting = "auto"
-    vcpus: int = 2
-    memory_mib: int = 512
-    default_timeout: int = 300
-    max_timeout: int = 24 * 3600
+    vcpus: int = Field(default=2, ge=1)
+    memory_mib: int = Field(default=512, ge=128)
+    default_timeout: int = Field(default=300, gt=0)
+    max_timeout: int = Field(default=24 * 3600, gt=0)
     net_subnet: str | None = None
     domain: str | None = None
     log_level: str = "info"
@@ -93,11 +114,13 @@ class Config:
     sandbox_memory: Literal["auto", "file", "shared-image"] = "auto"
     # How long a template boot may take before we give up (TCG cold boots take seconds).
     template_boot_timeout: float = 120.0
-    template_boot_attempts: int = 3
+    template_boot_attempts: int = Field(default=3, ge=1)
     # The durable snapshot repository: file:///path (a directory, shared between nodes
-    # over a shared filesystem) or s3://bucket/prefix (endpoint and credentials from the
-    # usual AWS_* variables). Default: a directory under home.
+    # over a shared filesystem) or s3://bucket/prefix (reached with `s3`). Default: a
+    # directory under home.
     repository: str | None = None
+    # Endpoint, credentials and region of an s3:// repository.
+    s3: S3Settings = Field(default_factory=S3Settings)
     # Bytes this node may keep of what it fetched from the repository (K/M/G suffixes).
     cache_size: str = "20G"
     # This node's name in the repository (who holds a paused sandbox). Default: derived
@@ -110,7 +133,53 @@ class Config:
     # "secure": true. Here every sandbox is secured unless this is set, which brings back
     # E2B's v1 behaviour for clients that cannot handle an access token.
     honour_v1_secure_flag: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The Firecracker binary; None: the one scripts/install-firecracker caches, else
+    # `firecracker` on PATH (see agentenv.vmm.firecracker_binary).
+    firecracker: Path | None = None
+    # The server user's home directory ($HOME), where skopeo (which the server runs to
+    # pull images) looks for a user signature policy.
+    user_home: Path = Path("/root")
+
+    # -- validation ----------------------------------------------------------------------
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, listen: str) -> str:
+        host, sep, port = listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("expected host:port with a port in 1-65535")
+        return listen
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, level: str) -> str:
+        if level.lower() not in LOG_LEVELS:
+            raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
+        return level.lower()
+
+    @field_validator("cache_size")
+    @classmethod
+    def _check_cache_size(cls, text: str) -> str:
+        try:
+            parse_size(text)
+        except ConfigError:
+            raise ValueError("expected a positive size such as 512M or 20G") from None
+        return text
+
+    @field_validator("repository")
+    @classmethod
+    def _check_repository(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("file:///", "s3://")):
+            raise ValueError("expected file:///path or s3://bucket/prefix")
+        return url
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> Config:
+        if self.default_timeout > self.max_timeout:
+            raise ValueError(
+                f"default_timeout ({self.default_timeout}) must be at most "
+                f"max_timeout ({self.max_timeout})"
+            )
+        return self
 
     # -- derived paths -------------------------------------------------------------------
     @property
@@ -176,60 +245,55 @@ class Config:
 
     # -- loading -------------------------------------------------------------------------
     @classmethod
-    def load(cls, env: dict[str, str] | None = None, **overrides: Any) -> Config:
-        env = dict(os.environ if env is None else env)
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """The configuration from ``env`` (default: the process environment), the config
+        file it names and ``overrides`` (``None`` values are ignored, so unset command-line
+        options can be passed as they are)."""
+        env = os.environ if env is None else env
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         home = Path(overrides.get("home") or env.get("AENV_HOME") or DEFAULT_HOME)
         config_file = env.get("AENV_CONFIG")
         path = Path(config_file) if config_file else home / "config.toml"
         if path.exists():
-            values.update(_read_file(path))
+            for key, value in _read_file(path).items():
+                values[key] = value
+                sources[key] = f"in {path}"
+                if key == "s3" and isinstance(value, dict):
+                    sources.update({f"s3.{name}": f"in {path}" for name in value})
         elif config_file:
             raise ConfigError(f"config file {path} does not exist")
-        for var, name in _ENV_FIELDS.items():
-            if env.get(var):
-                values[name] = env[var]
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls._from_mapping(values)
+
+        _refuse_unknown_variables(env)
+        for variable, name in _ENVIRONMENT.items():
+            if env.get(variable):
+                values[name] = env[variable].strip()
+                sources[name] = f"from {variable}"
+        s3_from_env = S3Settings.environment_values(env)
+        if s3_from_env:
+            from_file = values.get("s3")
+            s3_values = dict(from_file) if isinstance(from_file, dict) else {}
+            for name, (variable, value) in s3_from_env.items():
+                s3_values[name] = value.strip()
+                sources[f"s3.{name}"] = f"from {variable}"
+            values["s3"] = s3_values
+
+        for key, value in overrides.items():
+            if value is not None:
+                values[key] = value
+                sources[key] = "as an argument"
+        return cls._validated(values, sources)
 
     @classmethod
-    def _from_mapping(cls, values: dict[str, Any]) -> Config:
-        known = {f.name: f for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        for key, value in values.items():
-            if key not in known:
-                extra[key] = value
-                continue
-            kwargs[key] = _coerce(key, value, known[key].type)
-        config = cls(**kwargs, extra=extra)
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"listen must be host:port, got {self.listen!r}")
-        if self.vmm not in ("auto", "qemu", "firecracker"):
-            raise ConfigError(f"vmm must be auto, qemu or firecracker, got {self.vmm!r}")
-        if self.accel not in ("auto", "kvm", "tcg"):
-            raise ConfigError(f"accel must be auto, kvm or tcg, got {self.accel!r}")
-        if self.sandbox_memory not in ("auto", "file", "shared-image"):
-            raise ConfigError(
-                f"sandbox_memory must be auto, file or shared-image, got {self.sandbox_memory!r}"
-            )
-        if self.vcpus < 1 or self.memory_mib < 128:
-            raise ConfigError("vcpus must be >= 1 and memory_mib >= 128")
-        if not 0 < self.default_timeout <= self.max_timeout:
-            raise ConfigError("default_timeout must be positive and at most max_timeout")
-        parse_size(self.cache_size)
-        if self.repository is not None and not self.repository.startswith(("file:///", "s3://")):
-            raise ConfigError(
-                f"repository must be file:///path or s3://bucket/prefix, got {self.repository!r}"
-            )
+    def _validated(cls, values: Mapping[str, Any], sources: Mapping[str, str]) -> Config:
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise _config_error(exc, sources) from None
 
     def with_overrides(self, **changes: Any) -> Config:
-        return replace(self, **changes)
+        """A copy with ``changes`` applied, validated like :meth:`load`'s input."""
+        return self._validated({**dict(self), **changes}, dict.fromkeys(changes, "as an argument"))
 
     def ensure_api_key(self) -> str:
         """The configured key, else the one stored under the data directory, generated
@@ -247,34 +311,88 @@ class Config:
         return key
 
 
+# Environment variable -> Config field: AENV_<NAME> for each field but the two that have
+# conventional variables of their own.
+_ENVIRONMENT: dict[str, str] = {
+    **{f"AENV_{name.upper()}": name for name in Config.model_fields if name != "user_home"},
+    "HOME": "user_home",
+}
+del _ENVIRONMENT["AENV_S3"]
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     # Accept both a flat file and one with an [agentenv] table.
-    section = data.get("agentenv", data)
+    if "agentenv" not in data:
+        return data
+    section = data["agentenv"]
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: [agentenv] must be a table")
+    outside = sorted(key for key in data if key != "agentenv")
+    if outside:
+        raise ConfigError(
+            f"{path}: {', '.join(outside)} outside the [agentenv] table; move them into it"
+        )
     return dict(section)
 
 
-def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    text = str(annotation)
-    if text == "bool" and not isinstance(value, bool):
-        word = str(value).strip().lower()
-        if word in ("1", "true", "yes", "on"):
-            return True
-        if word in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    try:
-        if "Path" in text:
-            return Path(value)
-        if text == "int":
-            return int(value)
-        if text == "float":
-            return float(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: expected {text}, got {value!r}") from exc
-    return value
+def _refuse_unknown_variables(env: Mapping[str, str]) -> None:
+    unknown = sorted(
+        variable
+        for variable, value in env.items()
+        if variable.startswith("AENV_")
+        and value
+        and variable not in _ENVIRONMENT
+        and variable not in NOT_SETTINGS
+    )
+    if not unknown:
+        return
+    settings = sorted(variable for variable in _ENVIRONMENT if variable.startswith("AENV_"))
+    problems = [
+        f"unknown setting {variable} in the environment{_did_you_mean(variable, settings)}"
+        for variable in unknown
+    ]
+    raise ConfigError(
+        "; ".join(problems)
+        + f". Valid settings: {', '.join(settings)} (S3: the AWS_* variables). "
+        + f"Allowed but not settings: {', '.join(sorted(NOT_SETTINGS))}"
+    )
+
+
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _config_error(exc: ValidationError, sources: Mapping[str, str]) -> ConfigError:
+    """One message for all of ``exc``'s errors, each naming the key, where its value
+    came from, what was expected and what was given."""
+    problems = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"]]
+        key = ".".join(loc)
+        if not key:  # a check across fields; its message names them
+            problems.append(str(error["ctx"]["error"]) if "ctx" in error else error["msg"])
+            continue
+        source = sources.get(key) or sources.get(loc[0]) or ""
+        if error["type"] == "extra_forbidden":
+            if loc[0] == "s3" and len(loc) > 1:
+                valid = [f"s3.{name}" for name in S3Settings.model_fields]
+            else:
+                valid = list(Config.model_fields)
+            problems.append(
+                " ".join(filter(None, ["unknown key", key, source]))
+                + f"{_did_you_mean(key, valid)}; valid keys: {', '.join(sorted(valid))}"
+            )
+            continue
+        if error["type"] == "value_error":
+            expected = str(error["ctx"]["error"])
+        else:
+            expected = error["msg"][:1].lower() + error["msg"][1:]
+        given = "(hidden)" if key in _SECRET_KEYS else repr(error["input"])
+        where = f" ({source})" if source else ""
+        problems.append(f"{key}{where}: {expected}; got {given}")
+    return ConfigError("; ".join(problems))

@@ -48,7 +48,7 @@ def choose_runtime(config: Config) -> NodeRuntime:
     runs ordinary guests and the binary is installed, else QEMU (KVM or TCG)."""
     probe = resolve_accelerator(config.accel)
     if config.vmm == "firecracker" or (config.vmm == "auto" and probe.accel == "kvm"):
-        binary = find_firecracker()
+        binary = find_firecracker(config.firecracker)
         if binary is not None and probe.accel == "kvm":
             return NodeRuntime(FirecrackerDriver(binary), "kvm", probe.reason)
         if config.vmm == "firecracker":
@@ -87,7 +87,7 @@ Try it (the first create waits for the base template to be built):
 
 
 def collect_garbage(config: Config, grace_s: float) -> None:
-    repository = Repository(open_store(config.repository_url, dict(os.environ)))
+    repository = Repository(open_store(config.repository_url, config.s3))
     try:
         blobs, chunks = asyncio.run(repository.collect_garbage(grace_s=grace_s))
     except RepositoryError as exc:

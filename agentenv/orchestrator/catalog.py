@@ -50,7 +50,7 @@ class Catalog:
     def __init__(self, config: Config, pinned: Callable[[], set[str]]) -> None:
         self.config = config
         self.node = config.node_name
-        self.repository = Repository(open_store(config.repository_url, _environ()))
+        self.repository = Repository(open_store(config.repository_url, config.s3))
         self.cache = NodeCache(config.cache_dir, config.cache_bytes)
         self.memo = DigestMemo(config.cache_dir / "digests.json")
         self.publisher = Publisher(
@@ -222,9 +222,3 @@ def _claim_name(sandbox_id: str, generation: int) -> str:
 
 def _is_id(key: str) -> bool:
     return bool(key) and all(c.isalnum() or c in "._:-" for c in key)
-
-
-def _environ() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)

@@ -31,6 +31,9 @@ from urllib.parse import urlsplit
 import boto3
 import botocore.config
 import botocore.exceptions
+from pydantic import SecretStr
+
+from agentenv.snapshots.settings import S3Settings
 
 _T = TypeVar("_T")
 
@@ -328,15 +331,19 @@ def _s3_executor() -> concurrent.futures.ThreadPoolExecutor:
     return _executor
 
 
+def _reveal(secret: SecretStr | None) -> str | None:
+    return None if secret is None else secret.get_secret_value()
+
+
 class S3ObjectStore(ObjectStore):
     """Objects in an S3-compatible bucket under a key prefix. The bucket is created on
     first use if it does not exist."""
 
-    def __init__(self, bucket: str, prefix: str, env: Mapping[str, str]) -> None:
+    def __init__(self, bucket: str, prefix: str, settings: S3Settings) -> None:
         self.bucket = bucket
         self.prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
-        self._env = dict(env)
+        self._settings = settings
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._bucket_ready = False
@@ -346,18 +353,15 @@ class S3ObjectStore(ObjectStore):
         # boto3's default session is shared and not thread-safe; a client is.
         with self._client_lock:
             if self._client is None:
-                env = self._env
-                region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+                settings = self._settings
                 session = boto3.session.Session(
-                    aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
-                    aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
-                    aws_session_token=env.get("AWS_SESSION_TOKEN"),
-                    region_name=region,
+                    aws_access_key_id=settings.access_key_id,
+                    aws_secret_access_key=_reveal(settings.secret_access_key),
+                    aws_session_token=_reveal(settings.session_token),
+                    region_name=settings.region,
                 )
                 self._client = session.client(
-                    "s3",
-                    endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
-                    config=_S3_CONFIG,
+                    "s3", endpoint_url=settings.endpoint_url, config=_S3_CONFIG
                 )
             return self._client
 
@@ -531,11 +535,12 @@ class S3ObjectStore(ObjectStore):
         return await self._call(f"checking {key}", head)
 
 
-def open_store(url: str, env: Mapping[str, str]) -> ObjectStore:
+def open_store(url: str, s3: S3Settings | Mapping[str, str]) -> ObjectStore:
     """The store ``url`` names: ``file:///abs/path`` or ``s3://bucket[/prefix]``.
-    S3 endpoint, credentials and region are read from ``env`` (``AWS_ENDPOINT_URL_S3`` or
+    An S3 store is reached with ``s3``: the server passes its configured settings; a
+    mapping is read as environment variables (``AWS_ENDPOINT_URL_S3`` or
     ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``
-    or ``AWS_DEFAULT_REGION``)."""
+    or ``AWS_DEFAULT_REGION``; see :class:`S3Settings`)."""
     parts = urlsplit(url)
     if parts.query or parts.fragment:
         raise ValueError(f"snapshot repository URL {url!r}: no query or fragment allowed")
@@ -552,7 +557,8 @@ def open_store(url: str, env: Mapping[str, str]) -> ObjectStore:
         prefix = parts.path.strip("/")
         if prefix:
             check_key(prefix)
-        return S3ObjectStore(bucket, prefix, env)
+        settings = s3 if isinstance(s3, S3Settings) else S3Settings.from_environment(s3)
+        return S3ObjectStore(bucket, prefix, settings)
     raise ValueError(
         f"snapshot repository URL {url!r}: unsupported scheme "
         f"{parts.scheme or '(none)'!r}; use file:///path or s3://bucket/prefix"

@@ -249,11 +249,10 @@ async def _run(what: str, *args: str) -> bytes:
     return out
 
 
-def _policy_args(cache_dir: Path) -> list[str]:
+def _policy_args(cache_dir: Path, user_home: Path) -> list[str]:
     """skopeo refuses to run without a signature policy; give it an accept-anything one
     when the host has none (Debian's package ships /etc/containers/policy.json)."""
-    home = Path(os.environ.get("HOME", "/root"))
-    if (home / ".config/containers/policy.json").exists() or Path(
+    if (user_home / ".config/containers/policy.json").exists() or Path(
         "/etc/containers/policy.json"
     ).exists():
         return []
@@ -345,11 +344,17 @@ async def pull_image(
     disk_size_mib: int = 4096,
     insecure_registries: Collection[str] = (),
     log: Callable[[str], None] | None = None,
+    user_home: Path | None = None,
 ) -> PulledImage:
     """Pull ``reference`` and return it as a read-only ext4 root disk, from the cache
     when its manifest digest has been pulled before (then only the manifest is fetched;
-    for a reference by digest, nothing is)."""
+    for a reference by digest, nothing is).
+
+    ``user_home`` is the home directory skopeo looks for a user signature policy in: the
+    server passes its ``Config.user_home``; callers with no configuration may leave it
+    out to have ``$HOME`` read here."""
     say = log or (lambda _line: None)
+    home = user_home if user_home is not None else Path(os.environ.get("HOME", "/root"))
     ref = _parse_reference(reference)
     name = str(ref)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -360,7 +365,7 @@ async def pull_image(
         say(f"resolving {name}")
         raw = await _run(
             f"cannot resolve {name}",
-            "skopeo", *_policy_args(cache_dir), "--command-timeout", "5m",
+            "skopeo", *_policy_args(cache_dir, home), "--command-timeout", "5m",
             "inspect", "--raw", *(["--tls-verify=false"] if insecure else []), name,
         )  # fmt: skip
         manifest_digest = "sha256:" + hashlib.sha256(raw).hexdigest()
@@ -382,7 +387,7 @@ async def pull_image(
             await asyncio.to_thread(shutil.rmtree, stale, True)
         build = Path(tempfile.mkdtemp(prefix=f"{_BUILD_PREFIX}{hexdigest}-", dir=cache_dir))
         try:
-            image = await _build(ref, digest, build, disk_size_mib, insecure, say)
+            image = await _build(ref, digest, build, disk_size_mib, insecure, home, say)
             final = cache_dir / hexdigest
             if final.exists():  # a broken leftover (no image.json): replace it
                 await asyncio.to_thread(shutil.rmtree, final, True)
@@ -398,6 +403,7 @@ async def _build(
     build: Path,
     disk_size_mib: int,
     insecure: bool,
+    user_home: Path,
     say: Callable[[str], None],
 ) -> PulledImage:
     name = str(ref)
@@ -410,7 +416,7 @@ async def _build(
     src_tls = ["--src-tls-verify=false"] if insecure else []
     await _run(
         f"cannot pull {name}",
-        "skopeo", *_policy_args(build.parent), "copy", "--quiet", *src_tls,
+        "skopeo", *_policy_args(build.parent, user_home), "copy", "--quiet", *src_tls,
         f"{ref.repository}@{digest}", f"oci:{layout}:{_LAYOUT_TAG}",
     )  # fmt: skip
     config = ImageConfig.from_oci(_layout_config(layout))

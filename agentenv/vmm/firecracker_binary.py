@@ -7,6 +7,7 @@ takes the unmodified upstream v1.12.1 release binary from the MIT-licensed ``pyr
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 from pathlib import Path
@@ -21,16 +22,26 @@ def _is_executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def find_firecracker() -> Path | None:
-    """The Firecracker binary to use: ``$AENV_FIRECRACKER`` if set, then the cache
-    ``scripts/install-firecracker`` fills, then ``firecracker`` on ``PATH``.
+class _Unset(enum.Enum):
+    """Marks an argument not given (``None`` is a value: nothing configured)."""
 
-    An explicitly configured ``$AENV_FIRECRACKER`` that is not an executable file yields
-    ``None`` rather than silently falling back to another binary."""
-    configured = os.environ.get(FIRECRACKER_ENV)
-    if configured:
-        path = Path(configured)
-        return path if _is_executable(path) else None
+    TOKEN = enum.auto()
+
+
+def find_firecracker(configured: Path | _Unset | None = _Unset.TOKEN) -> Path | None:
+    """The Firecracker binary to use: ``configured`` if given (the server passes its
+    ``Config.firecracker``, from ``$AENV_FIRECRACKER``), then the cache
+    ``scripts/install-firecracker`` fills, then ``firecracker`` on ``PATH``. Callers with
+    no configuration (tests, tools) may leave ``configured`` out to have
+    ``$AENV_FIRECRACKER`` read here.
+
+    An explicitly configured binary that is not an executable file yields ``None`` rather
+    than silently falling back to another binary."""
+    if configured is _Unset.TOKEN:
+        from_env = os.environ.get(FIRECRACKER_ENV)
+        configured = Path(from_env) if from_env else None
+    if configured is not None:
+        return configured if _is_executable(configured) else None
     if _is_executable(DEFAULT_FIRECRACKER_PATH):
         return DEFAULT_FIRECRACKER_PATH
     on_path = shutil.which("firecracker")
