@@ -251,6 +251,7 @@ class BuildManager:
                 self.config.oci_cache,
                 insecure_registries=insecure,
                 log=build.log,
+                user_home=self.config.user_home,
             )
         except ImageError as exc:
             raise StepFailed("base", f"FROM {plan.from_image}", str(exc)) from exc
