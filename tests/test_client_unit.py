@@ -313,11 +313,18 @@ async def test_async_client_pages_and_maps_errors_the_same() -> None:
         assert await c.kill("gone") is True  # the stand-in deletes anything
 
 
-def test_importing_the_client_leaves_the_sdk_unimported() -> None:
-    # The aenv CLI is built on the client; the SDK would add most of a second to every
-    # command, shell completion included.
-    probe = "import sys, agentenv.client, agentenv.cli.main; print('e2b' in sys.modules)"
+def imported_by(module: str) -> set[str]:
+    probe = f"import sys, {module}; print(' '.join(sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "False"
+    return set(out.stdout.split())
+
+
+def test_importing_the_client_leaves_the_sdk_unimported() -> None:
+    # The aenv CLI is built on the client; the SDK would add most of a second to every
+    # command that talks to the server.
+    assert "e2b" not in imported_by("agentenv.client")
+    # Shell completion and --help do not even load the client (Pydantic, the models).
+    cli = imported_by("agentenv.cli.main")
+    assert not {"e2b", "pydantic", "agentenv.client"} & cli

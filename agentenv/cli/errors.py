@@ -25,19 +25,12 @@ own status once it ran, so those codes can overlap the ones above.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import httpx
 
-from agentenv.client.errors import (
-    AgentEnvError,
-    AuthError,
-    ConflictError,
-    NoAnswerError,
-    NotFoundError,
-    NotSupportedError,
-    UnreachableError,
-    error_for,
-)
+if TYPE_CHECKING:
+    from agentenv.client.errors import AgentEnvError
 
 
 class ExitCode(IntEnum):
@@ -66,20 +59,27 @@ class CliError(Exception):
         super().__init__(self.message)
 
 
-# What each of the client's failures means on the command line; the client maps the HTTP
-# statuses to these classes.
-_EXIT_CODES: tuple[tuple[type[AgentEnvError], ExitCode], ...] = (
-    (AuthError, ExitCode.AUTH),
-    (NotFoundError, ExitCode.NOT_FOUND),
-    (ConflictError, ExitCode.CONFLICT),
-    (NotSupportedError, ExitCode.NOT_SUPPORTED),
-    (UnreachableError, ExitCode.UNREACHABLE),
-)
-
-
 def exit_code_for(error: AgentEnvError) -> ExitCode:
-    """The exit code for a failure ``agentenv.client`` reported."""
-    for cls, code in _EXIT_CODES:
+    """The exit code for a failure ``agentenv.client`` reported; the client maps HTTP
+    statuses to its error classes, this maps the classes to exit codes."""
+    # The client (and with it Pydantic and the API models) is imported where it is used,
+    # so that what needs no server (--help, shell completion) does not pay for it.
+    from agentenv.client.errors import (
+        AuthError,
+        ConflictError,
+        NotFoundError,
+        NotSupportedError,
+        UnreachableError,
+    )
+
+    exit_codes: tuple[tuple[type[AgentEnvError], ExitCode], ...] = (
+        (AuthError, ExitCode.AUTH),
+        (NotFoundError, ExitCode.NOT_FOUND),
+        (ConflictError, ExitCode.CONFLICT),
+        (NotSupportedError, ExitCode.NOT_SUPPORTED),
+        (UnreachableError, ExitCode.UNREACHABLE),
+    )
+    for cls, code in exit_codes:
         if isinstance(error, cls):
             return code
     return ExitCode.ERROR
@@ -97,6 +97,8 @@ def unreachable(server: str, exc: BaseException) -> CliError:
 def client_error(error: AgentEnvError, server: str, what: str | None = None) -> CliError:
     """A ``CliError`` for a failure ``agentenv.client`` reported: the server's message,
     prefixed by ``what`` failed when given; a rejected key says how to fix it."""
+    from agentenv.client.errors import NoAnswerError, UnreachableError
+
     # The transport's own exception words why no answer came better than the client's
     # summary of it.
     cause = error.__cause__ if isinstance(error.__cause__, httpx.HTTPError) else error
@@ -118,6 +120,8 @@ def client_error(error: AgentEnvError, server: str, what: str | None = None) -> 
 def translate(exc: BaseException, server: str, what: str | None = None) -> CliError:
     """A ``CliError`` for an exception raised by ``agentenv.client`` (with ``what`` as
     ``client_error`` has it), httpx, the ``e2b`` SDK or the OS."""
+    from agentenv.client.errors import AgentEnvError, error_for
+
     if isinstance(exc, CliError):
         return exc
     if isinstance(exc, AgentEnvError):

@@ -18,7 +18,6 @@ import typer
 
 from agentenv import __version__
 from agentenv.cli import settings as settings_store
-from agentenv.cli.api import ControlPlane
 from agentenv.cli.errors import CliError, ExitCode, translate
 from agentenv.cli.output import (
     OutputFormat,
@@ -40,10 +39,13 @@ from agentenv.limits import MAX_FORK_CHILDREN
 
 # The e2b SDK, and the modules using it (terminal, transfer), are imported by the commands
 # that need them: it takes about half a second to import, which `aenv ls` and every shell
-# completion would otherwise pay.
+# completion would otherwise pay. The control plane (agentenv.client, with Pydantic and
+# the API models) is imported once a command talks to the server, which --help and shell
+# completion never do.
 if TYPE_CHECKING:
     from e2b import Sandbox
 
+    from agentenv.cli.api import ControlPlane
     from agentenv.cli.transfer import Transferred
 
 JsonObject = dict[str, Any]
@@ -90,8 +92,11 @@ UserOption = Annotated[
 
 
 # -- helpers ------------------------------------------------------------------------------
-def control_plane(*, need_key: bool = True) -> ControlPlane:
-    return ControlPlane(settings_store.load(), need_key=need_key)
+def control_plane(*, need_key: bool = True, settings: Settings | None = None) -> ControlPlane:
+    """The server ``settings`` name (by default the stored ones, under the environment's)."""
+    from agentenv.cli.api import ControlPlane
+
+    return ControlPlane(settings or settings_store.load(), need_key=need_key)
 
 
 def parse_pairs(values: Sequence[str] | None, option: str) -> dict[str, str]:
@@ -209,7 +214,7 @@ def auth(
     key = key.strip()
     if not key:
         raise CliError("the API key is empty", ExitCode.USAGE)
-    with ControlPlane(Settings(server, key, "argument", "argument")) as cp:
+    with control_plane(settings=Settings(server, key, "argument", "argument")) as cp:
         health = cp.health()
         cp.check_key()
     path = settings_store.save(server, key)
@@ -253,7 +258,7 @@ def show_auth(fmt: OutputFormat) -> None:
     problem: CliError | None = None
     status = "ok"
     try:
-        with ControlPlane(current, need_key=False) as cp:
+        with control_plane(need_key=False, settings=current) as cp:
             health = cp.health()
             current.require_api_key()
             cp.check_key()

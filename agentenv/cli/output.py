@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-import pydantic_core
 from rich.console import Console
 from rich.table import Table
 
@@ -62,6 +61,8 @@ def as_sent(value: object, *, exclude_none: bool = False) -> Any:
     """``value`` (an API model, or a field of one) as the server's JSON has it, field
     aliases and ISO times, for ``--output json``; ``exclude_none`` for the routes that
     leave unset fields out rather than send null."""
+    import pydantic_core  # only commands that had an answer from the server need it
+
     return pydantic_core.to_jsonable_python(value, by_alias=True, exclude_none=exclude_none)
 
 
