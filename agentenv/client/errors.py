@@ -98,8 +98,8 @@ def error_from_transport(exc: httpx.TransportError, url: str) -> AgentEnvError:
 def translated_sdk_errors(server: str) -> Iterator[None]:
     """Raise the SDK's control-plane exceptions inside the block as this client's, so a
     caller handles one hierarchy whichever way a call went. (Works around ``await`` too.)"""
-    # Imported here: the SDK takes most of a second to import, which callers that only
-    # use the HTTP routes (the ``aenv`` CLI's listings, shell completion) should not pay.
+    # Imported here: the SDK takes most of a second to import, which callers of the HTTP
+    # routes alone (most ``aenv`` commands) should not pay.
     import e2b
 
     try:
