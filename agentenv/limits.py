@@ -13,3 +13,5 @@ MAX_TEMPLATE_REF_LENGTH = 256
 MAX_SNAPSHOT_NAME_LENGTH = 128
 # Most seconds one refresh (E2B's keep-alive) may extend a sandbox's life by.
 MAX_REFRESH_DURATION_S = 3600
+# Most items one page of a listing (``GET /v2/sandboxes``, ``GET /snapshots``) may hold.
+MAX_PAGE_SIZE = 1000

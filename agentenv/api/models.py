@@ -7,6 +7,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentenv.limits import (
+    MAX_FORK_CHILDREN,
+    MAX_REFRESH_DURATION_S,
+    MAX_SNAPSHOT_NAME_LENGTH,
+    MAX_TEMPLATE_REF_LENGTH,
+)
+
 
 class ErrorBody(BaseModel):
     code: int
@@ -19,7 +26,7 @@ class NewSandbox(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    template_id: str = Field(alias="templateID", min_length=1, max_length=256)
+    template_id: str = Field(alias="templateID", min_length=1, max_length=MAX_TEMPLATE_REF_LENGTH)
     timeout: int | None = Field(
         default=None, ge=0, description="seconds until the sandbox is killed"
     )
@@ -115,7 +122,7 @@ class TimeoutRequest(BaseModel):
 
 
 class RefreshRequest(BaseModel):
-    duration: int = Field(default=0, ge=0, le=3600)
+    duration: int = Field(default=0, ge=0, le=MAX_REFRESH_DURATION_S)
 
 
 class ConnectRequest(BaseModel):
@@ -178,7 +185,9 @@ class SandboxMetric(BaseModel):
 class SnapshotRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    name: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[\w.:/-]+$")
+    name: str | None = Field(
+        default=None, min_length=1, max_length=MAX_SNAPSHOT_NAME_LENGTH, pattern=r"^[\w.:/-]+$"
+    )
     memory: bool | None = None
 
 
@@ -199,7 +208,7 @@ class ForkRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     timeout: int | None = Field(default=None, ge=0)
-    count: int = Field(default=1, ge=1, le=20)
+    count: int = Field(default=1, ge=1, le=MAX_FORK_CHILDREN)
 
 
 class ForkResult(BaseModel):

@@ -1,40 +1,41 @@
-"""The control plane as aenv sees it: one method per HTTP route it uses (httpx), and an
-``e2b`` SDK ``Sandbox`` bound to the same server for what goes to envd (commands, PTYs,
-files). HTTP errors become ``CliError`` with the server's message."""
+"""The control plane as aenv sees it: ``agentenv.client.AgentEnv``, the one HTTP layer to
+the API, with its failures reworded for the command line as ``CliError`` (what failed,
+what to do about a rejected key, the documented exit code), and ``e2b`` SDK handles bound
+to the same server for what goes to envd (commands, PTYs, files). No HTTP is spoken here."""
 
 from __future__ import annotations
 
-import urllib.parse
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-import httpx
-
-from agentenv.cli.errors import CliError, exit_code_for_status, translate
+from agentenv.api.models import ForkResult, Health, SandboxDetail, SnapshotInfo, TemplateInfo
+from agentenv.api.models import Sandbox as SandboxBody
+from agentenv.cli.errors import translate
 from agentenv.cli.settings import Settings
+from agentenv.client.connection import Connection
+from agentenv.client.sync_client import AgentEnv
+from agentenv.client.wire import ResumeResult
+from agentenv.limits import MAX_PAGE_SIZE
 
 if TYPE_CHECKING:
     from e2b import Sandbox
 
-JsonObject = dict[str, Any]
-
-# Pauses, snapshots and forks of many children take seconds under TCG; connecting must
-# fail fast so an unreachable server is reported promptly.
-REQUEST_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
-LIST_PAGE_SIZE = 1000
-
 
 class ControlPlane:
+    """One server, as the settings (or ``aenv auth``'s arguments) name it. With
+    ``need_key``, a missing API key is reported before anything is sent."""
+
     def __init__(self, settings: Settings, *, need_key: bool = True) -> None:
         self.settings = settings
         self.server = settings.server
-        headers = {"User-Agent": "aenv"}
-        if need_key:
-            headers["X-API-Key"] = settings.require_api_key()
-        elif settings.api_key:
-            headers["X-API-Key"] = settings.api_key
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=REQUEST_TIMEOUT)
+        api_key = settings.require_api_key() if need_key else settings.api_key
+        # The settings have already weighed the environment against the config file; the
+        # client must not look further (it would take E2B_API_KEY or E2B_SANDBOX_URL).
+        # envd traffic goes through the server's proxy (E2b-Sandbox-Id headers).
+        connection = Connection(server=self.server, api_key=api_key, sandbox_url=self.server)
+        self.client = AgentEnv(connection=connection)
 
     def __enter__(self) -> Self:
         return self
@@ -48,54 +49,27 @@ class ControlPlane:
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        self.client.close()
 
-    # -- plumbing ------------------------------------------------------------------------
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: object = None,
-        params: Mapping[str, str | int] | None = None,
-        what: str | None = None,
-    ) -> httpx.Response:
-        """Send a request; a non-2xx answer raises ``CliError`` with the server's message
-        (prefixed by ``what`` failed, when given)."""
+    @contextlib.contextmanager
+    def _reported(self, what: str | None = None) -> Iterator[None]:
+        """Failures inside as ``CliError``, the server's message prefixed by ``what``
+        failed when given."""
         try:
-            response = self._http.request(method, path, json=json, params=params)
-        except httpx.HTTPError as exc:
-            raise translate(exc, self.server) from exc
-        if response.is_success:
-            return response
-        message = _error_message(response)
-        if response.status_code == 401:
-            message = (
-                f"the server at {self.server} rejected the API key ({message}); run `aenv auth`"
-            )
-        elif what:
-            message = f"{what}: {message}"
-        raise CliError(message, exit_code_for_status(response.status_code))
-
-    def _json(self, response: httpx.Response) -> Any:
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise CliError(
-                f"{self.server} answered {response.request.url.path} with something that "
-                "is not JSON; is AENV_SERVER an agentenv server?"
-            ) from exc
+            yield
+        except Exception as exc:
+            raise translate(exc, self.server, what) from exc
 
     # -- node ----------------------------------------------------------------------------
-    def health(self) -> JsonObject:
-        body = self._json(self.request("GET", "/health"))
-        if not isinstance(body, dict) or "templates" not in body:
-            raise CliError(f"{self.server} does not look like an agentenv server (/health)")
-        return body
+    def health(self) -> Health:
+        with self._reported():
+            return self.client.health()
 
     def check_key(self) -> None:
         """Raise ``CliError`` (exit 3) unless the server accepts the key."""
-        self.request("GET", "/v2/sandboxes", params={"limit": 1})
+        with self._reported():
+            # One sandbox of one page: the cheapest request that needs the key.
+            self.client.list_sandboxes_page(limit=1)
 
     # -- sandboxes -----------------------------------------------------------------------
     def create_sandbox(
@@ -105,117 +79,70 @@ class ControlPlane:
         timeout: int | None = None,
         metadata: Mapping[str, str] | None = None,
         envs: Mapping[str, str] | None = None,
-    ) -> JsonObject:
-        body: JsonObject = {
-            "templateID": template,
-            "metadata": dict(metadata or {}),
-            "envVars": dict(envs or {}),
-        }
-        if timeout is not None:
-            body["timeout"] = timeout
-        # v2 creates are secured: envd traffic needs the returned envdAccessToken, which
-        # the SDK picks up when it connects.
-        response = self.request(
-            "POST", "/v2/sandboxes", json=body, what=f"cannot start {template!r}"
-        )
-        created: JsonObject = self._json(response)
-        return created
+    ) -> SandboxBody:
+        with self._reported(f"cannot start {template!r}"):
+            return self.client.start(template, timeout=timeout, metadata=metadata, envs=envs)
 
     def list_sandboxes(
         self, *, state: str | None = None, metadata: Mapping[str, str] | None = None
-    ) -> list[JsonObject]:
-        params: dict[str, str | int] = {"limit": LIST_PAGE_SIZE}
-        if state:
-            params["state"] = state
-        if metadata:
-            # Quoted, then encoded once more (as the SDK does): the server unquotes
-            # each key and value after parsing the query string.
-            params["metadata"] = urllib.parse.urlencode(
-                {urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()}
-            )
-        return self._all_pages("/v2/sandboxes", params)
-
-    def _all_pages(self, path: str, params: dict[str, str | int]) -> list[JsonObject]:
-        """Every item of a paged listing, following ``X-Next-Token``."""
-        items: list[JsonObject] = []
-        while True:
-            response = self.request("GET", path, params=params)
-            items.extend(self._json(response))
-            next_token = response.headers.get("X-Next-Token")
-            if not next_token:
-                return items
-            params = {**params, "nextToken": next_token}
-
-    def get_sandbox(self, sandbox_id: str) -> JsonObject:
-        detail: JsonObject = self._json(self.request("GET", f"/sandboxes/{_seg(sandbox_id)}"))
-        return detail
+    ) -> list[SandboxDetail]:
+        with self._reported():
+            return self.client.list_sandboxes(state=state, metadata=metadata)
 
     def kill(self, sandbox_id: str) -> None:
-        self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
+        with self._reported():
+            self.client.kill(sandbox_id, missing_ok=False)
 
     def pause(self, sandbox_id: str) -> None:
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/pause", what="cannot pause")
+        with self._reported("cannot pause"):
+            self.client.pause(sandbox_id)
 
-    def connect(self, sandbox_id: str, timeout: int | None = None) -> tuple[JsonObject, bool]:
+    def connect(self, sandbox_id: str, timeout: int | None = None) -> ResumeResult:
         """Connect to a sandbox, resuming it when paused: the sandbox and whether it was
-        resumed (201) rather than already running (200)."""
-        body = {"timeout": timeout} if timeout is not None else {}
-        response = self.request(
-            "POST", f"/v2/sandboxes/{_seg(sandbox_id)}/connect", json=body, what="cannot connect"
-        )
-        connected: JsonObject = self._json(response)
-        return connected, response.status_code == 201
+        resumed rather than already running."""
+        with self._reported("cannot connect"):
+            return self.client.resume(sandbox_id, timeout=timeout)
 
     def set_timeout(self, sandbox_id: str, seconds: int) -> None:
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/timeout", json={"timeout": seconds})
+        with self._reported():
+            self.client.set_timeout(sandbox_id, seconds)
 
     def refresh(self, sandbox_id: str, seconds: int) -> None:
         """Extend the lifetime to at least ``seconds`` from now (never shortens it)."""
-        self.request("POST", f"/sandboxes/{_seg(sandbox_id)}/refreshes", json={"duration": seconds})
+        with self._reported():
+            self.client.refresh(sandbox_id, seconds)
 
-    def fork(self, sandbox_id: str, count: int, timeout: int | None = None) -> list[JsonObject]:
-        body: JsonObject = {"count": count}
-        if timeout is not None:
-            body["timeout"] = timeout
-        response = self.request(
-            "POST", f"/sandboxes/{_seg(sandbox_id)}/fork", json=body, what="cannot fork"
-        )
-        children: list[JsonObject] = self._json(response)
-        return children
+    def fork(self, sandbox_id: str, count: int, timeout: int | None = None) -> list[ForkResult]:
+        with self._reported("cannot fork"):
+            return self.client.fork_results(sandbox_id, count, timeout=timeout)
 
     # -- snapshots and templates -----------------------------------------------------------
-    def create_snapshot(self, sandbox_id: str, name: str | None = None) -> JsonObject:
-        body = {"name": name} if name else {}
-        response = self.request(
-            "POST",
-            f"/sandboxes/{_seg(sandbox_id)}/snapshots",
-            json=body,
-            what="cannot snapshot",
-        )
-        snapshot: JsonObject = self._json(response)
-        return snapshot
+    def create_snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotInfo:
+        with self._reported("cannot snapshot"):
+            return self.client.snapshot(sandbox_id, name or None)
 
-    def list_snapshots(self, sandbox_id: str | None = None) -> list[JsonObject]:
-        params: dict[str, str | int] = {"limit": LIST_PAGE_SIZE}
-        if sandbox_id:
-            params["sandboxID"] = sandbox_id
-        return self._all_pages("/snapshots", params)
+    def list_snapshots(self, sandbox_id: str | None = None) -> list[SnapshotInfo]:
+        with self._reported():
+            return list(
+                self.client.iter_snapshots(sandbox=sandbox_id or None, page_size=MAX_PAGE_SIZE)
+            )
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        self.request("DELETE", f"/snapshots/{_seg(snapshot_id)}")
+        with self._reported():
+            self.client.delete_snapshot(snapshot_id, missing_ok=False)
 
-    def list_templates(self) -> list[JsonObject]:
-        templates: list[JsonObject] = self._json(self.request("GET", "/v2/templates"))
-        return templates
+    def list_templates(self) -> list[TemplateInfo]:
+        with self._reported():
+            return self.client.list_templates()
 
     def delete_template(self, template_id: str) -> None:
-        self.request("DELETE", f"/templates/{_seg(template_id)}", what="cannot delete")
+        with self._reported("cannot delete"):
+            self.client.delete_template(template_id, missing_ok=False)
 
     # -- envd, through the SDK -------------------------------------------------------------
     def sdk_options(self) -> dict[str, Any]:
         return {
             "api_url": self.server,
-            # envd traffic goes through the server's proxy (E2b-Sandbox-Id headers).
             "sandbox_url": self.server,
             "api_key": self.settings.require_api_key(),
             # E2B_DEBUG in the environment would make the SDK skip the control plane.
@@ -224,25 +151,5 @@ class ControlPlane:
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """An SDK handle on a running sandbox (the caller connected or created it)."""
-        from e2b import Sandbox  # slow to import; only envd work needs it
-
-        try:
-            return Sandbox.connect(sandbox_id, **self.sdk_options())
-        except Exception as exc:
-            raise translate(exc, self.server) from exc
-
-
-def _seg(value: str) -> str:
-    """``value`` as one URL path segment (ids are safe; names may hold ``/`` or ``:``)."""
-    return urllib.parse.quote(value, safe="")
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return str(body["message"])
-    text = response.text.strip()
-    return f"HTTP {response.status_code}" + (f": {text[:200]}" if text else "")
+        with self._reported():
+            return self.client.connect(sandbox_id)

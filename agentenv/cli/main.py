@@ -1,6 +1,7 @@
 """``aenv``'s commands (Typer). Each one resolves the settings, talks to the server
-through ``ControlPlane`` (HTTP routes) or an SDK ``Sandbox`` (envd), and prints through
-``output``; failures are raised as ``CliError`` and reported once, by ``main``."""
+through ``ControlPlane`` (the control-plane routes, by ``agentenv.client``) or an SDK
+``Sandbox`` (envd), and prints through ``output``; failures are raised as ``CliError`` and
+reported once, by ``main``."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import typer
 
 from agentenv import __version__
 from agentenv.cli import settings as settings_store
-from agentenv.cli.api import ControlPlane, JsonObject
 from agentenv.cli.errors import CliError, ExitCode, translate
 from agentenv.cli.output import (
     OutputFormat,
     ago,
+    as_sent,
     human_bytes,
     json_requested,
     note,
@@ -34,14 +35,20 @@ from agentenv.cli.output import (
     use_output,
 )
 from agentenv.cli.settings import Settings
+from agentenv.limits import MAX_FORK_CHILDREN
 
 # The e2b SDK, and the modules using it (terminal, transfer), are imported by the commands
 # that need them: it takes about half a second to import, which `aenv ls` and every shell
-# completion would otherwise pay.
+# completion would otherwise pay. The control plane (agentenv.client, with Pydantic and
+# the API models) is imported once a command talks to the server, which --help and shell
+# completion never do.
 if TYPE_CHECKING:
     from e2b import Sandbox
 
+    from agentenv.cli.api import ControlPlane
     from agentenv.cli.transfer import Transferred
+
+JsonObject = dict[str, Any]
 
 app = typer.Typer(
     name="aenv",
@@ -85,8 +92,11 @@ UserOption = Annotated[
 
 
 # -- helpers ------------------------------------------------------------------------------
-def control_plane(*, need_key: bool = True) -> ControlPlane:
-    return ControlPlane(settings_store.load(), need_key=need_key)
+def control_plane(*, need_key: bool = True, settings: Settings | None = None) -> ControlPlane:
+    """The server ``settings`` name (by default the stored ones, under the environment's)."""
+    from agentenv.cli.api import ControlPlane
+
+    return ControlPlane(settings or settings_store.load(), need_key=need_key)
 
 
 def parse_pairs(values: Sequence[str] | None, option: str) -> dict[str, str]:
@@ -204,12 +214,12 @@ def auth(
     key = key.strip()
     if not key:
         raise CliError("the API key is empty", ExitCode.USAGE)
-    with ControlPlane(Settings(server, key, "argument", "argument")) as cp:
+    with control_plane(settings=Settings(server, key, "argument", "argument")) as cp:
         health = cp.health()
         cp.check_key()
     path = settings_store.save(server, key)
     if json_requested():
-        print_json({"server": server, "configFile": str(path), "version": health.get("version")})
+        print_json({"server": server, "configFile": str(path), "version": health.version})
     else:
         note(f"authenticated with {server}; stored in {path}")
     overridden = [
@@ -248,11 +258,11 @@ def show_auth(fmt: OutputFormat) -> None:
     problem: CliError | None = None
     status = "ok"
     try:
-        with ControlPlane(current, need_key=False) as cp:
+        with control_plane(need_key=False, settings=current) as cp:
             health = cp.health()
             current.require_api_key()
             cp.check_key()
-        status = f"ok (agentenv {health.get('version')}, {health.get('vmm')}/{health.get('accel')})"
+        status = f"ok (agentenv {health.version}, {health.vmm}/{health.accel})"
     except CliError as exc:
         problem = exc
         status = {
@@ -310,17 +320,17 @@ def health(output: Output = None) -> None:
     with control_plane(need_key=False) as cp:
         status = cp.health()
     if fmt is OutputFormat.JSON:
-        print_json(status)
+        print_json(as_sent(status))
         return
     rows = [
-        ("status", str(status.get("status"))),
-        ("version", str(status.get("version"))),
-        ("vmm", f"{status.get('vmm')} ({status.get('accel')})"),
-        ("sandboxes", str(status.get("sandboxes"))),
+        ("status", status.status),
+        ("version", status.version),
+        ("vmm", f"{status.vmm} ({status.accel})"),
+        ("sandboxes", str(status.sandboxes)),
     ]
-    rows += [(f"template {name}", state) for name, state in status["templates"].items()]
-    if status.get("detail"):
-        rows.append(("detail", str(status["detail"])))
+    rows += [(f"template {name}", state) for name, state in status.templates.items()]
+    if status.detail:
+        rows.append(("detail", status.detail))
     table(("", ""), rows, title=cp.server)
 
 
@@ -330,20 +340,20 @@ def template_ls(output: Output = None) -> None:
     and the snapshots that serve as templates."""
     fmt = use_output(output)
     with control_plane() as cp:
-        health_templates = cp.health()["templates"]
+        health_templates = cp.health().templates
         built = cp.list_templates()
         snapshots = cp.list_snapshots()
     items: list[JsonObject] = [
         {
-            "templateID": t["templateID"],
+            "templateID": t.template_id,
             "kind": "template",
-            "state": t.get("buildStatus", "ready"),
-            "names": [n for n in t.get("names", []) if n != t["templateID"]],
-            "createdAt": t.get("createdAt"),
+            "state": t.build_status,
+            "names": [n for n in t.names if n != t.template_id],
+            "createdAt": as_sent(t.created_at),
         }
         for t in built
     ]
-    listed = {t["templateID"] for t in built}
+    listed = {t.template_id for t in built}
     items += [
         {"templateID": name, "kind": "template", "state": state, "names": []}
         for name, state in health_templates.items()
@@ -351,12 +361,12 @@ def template_ls(output: Output = None) -> None:
     ]
     items += [
         {
-            "templateID": snap["snapshotID"],
+            "templateID": snap.snapshot_id,
             "kind": "snapshot",
             "state": "ready",
-            "names": snap.get("names", []),
-            "sandboxID": snap.get("sandboxID"),
-            "createdAt": snap.get("createdAt"),
+            "names": snap.names,
+            "sandboxID": snap.sandbox_id,
+            "createdAt": as_sent(snap.created_at),
         }
         for snap in snapshots
     ]
@@ -499,9 +509,9 @@ def start(
     with control_plane() as cp:
         with busy(f"starting {template}"):
             created = cp.create_sandbox(template, timeout=timeout, metadata=meta, envs=envs)
-        sandbox_id = str(created["sandboxID"])
+        sandbox_id = created.sandbox_id
         if detach:
-            print_ids([sandbox_id], created)
+            print_ids([sandbox_id], as_sent(created))
             return
         status = shell_session(cp, sandbox_id, kill_after=not keep, user=user, cwd=cwd)
     if keep:
@@ -523,7 +533,7 @@ def connect(
     use_output(output)
     with control_plane() as cp:
         with busy(f"connecting to {sandbox_id}"):
-            _, resumed = cp.connect(sandbox_id, timeout)
+            resumed = cp.connect(sandbox_id, timeout).resumed
         if resumed:
             note(f"resumed {sandbox_id}")
         status = shell_session(cp, sandbox_id, kill_after=False, user=user, cwd=cwd)
@@ -606,7 +616,8 @@ def list_sandboxes(
     with control_plane() as cp:
         items = cp.list_sandboxes(state=state.value if state else None, metadata=wanted)
     if fmt is OutputFormat.JSON:
-        print_json(items)
+        # The route leaves unset fields out rather than sending null.
+        print_json([as_sent(item, exclude_none=True) for item in items])
         return
     if not items:
         note("no sandboxes")
@@ -615,15 +626,15 @@ def list_sandboxes(
         ("ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU", "MEMORY", "PARENT", "METADATA"),
         [
             (
-                str(item["sandboxID"]),
-                str(item.get("templateID", "-")),
-                str(item.get("state", "-")),
-                ago(item.get("startedAt")),
-                until(item.get("endAt")),
-                str(item.get("cpuCount", "-")),
-                f"{item.get('memoryMB', '-')} MiB",
-                str((item.get("lineage") or {}).get("parentID") or "-"),
-                " ".join(f"{k}={v}" for k, v in (item.get("metadata") or {}).items()) or "-",
+                item.sandbox_id,
+                item.template_id,
+                item.state,
+                ago(item.started_at),
+                until(item.end_at),
+                str(item.cpu_count),
+                f"{item.memory_mb} MiB",
+                (item.lineage.parent_id if item.lineage else None) or "-",
+                " ".join(f"{k}={v}" for k, v in item.metadata.items()) or "-",
             )
             for item in items
         ],
@@ -650,10 +661,10 @@ def resume(
     """Resume a paused sandbox (nothing to do when it is running)."""
     use_output(output)
     with control_plane() as cp, busy(f"resuming {sandbox_id}"):
-        sandbox, resumed = cp.connect(sandbox_id, timeout)
-    if not resumed and not json_requested():
+        connected = cp.connect(sandbox_id, timeout)
+    if not connected.resumed and not json_requested():
         note(f"{sandbox_id} was already running")
-    print_ids([sandbox_id], {**sandbox, "resumed": resumed})
+    print_ids([sandbox_id], {**as_sent(connected.sandbox), "resumed": connected.resumed})
 
 
 @app.command("timeout")
@@ -672,7 +683,9 @@ def set_timeout(
 @app.command()
 def fork(
     sandbox_id: SandboxId,
-    count: Annotated[int, typer.Option("--count", "-n", min=1, max=20, help="children")] = 1,
+    count: Annotated[
+        int, typer.Option("--count", "-n", min=1, max=MAX_FORK_CHILDREN, help="children")
+    ] = 1,
     timeout: Annotated[
         int | None, typer.Option("--timeout", "-t", min=0, help="children's lifetime")
     ] = None,
@@ -684,14 +697,13 @@ def fork(
     use_output(output)
     with control_plane() as cp, busy(f"forking {sandbox_id} into {count}"):
         results = cp.fork(sandbox_id, count, timeout)
-    children = [str(r["sandbox"]["sandboxID"]) for r in results if r.get("sandbox")]
-    failures = [r["error"] for r in results if r.get("error")]
-    print_ids(children, results)
+    children = [r.sandbox.sandbox_id for r in results if r.sandbox]
+    failures = [r.error for r in results if r.error]
+    # The route leaves out the half (sandbox or error) a child does not have.
+    print_ids(children, [as_sent(r, exclude_none=True) for r in results])
     if failures:
-        first = failures[0]
         raise CliError(
-            f"{len(failures)} of {len(results)} children failed to start: "
-            f"{first.get('message', 'unknown error')}",
+            f"{len(failures)} of {len(results)} children failed to start: {failures[0].message}",
             json_output=False,
         )
 
@@ -743,7 +755,7 @@ def snapshot_create(
     use_output(output)
     with control_plane() as cp, busy(f"snapshotting {sandbox_id}"):
         snapshot = cp.create_snapshot(sandbox_id, name)
-    print_ids([str(snapshot["snapshotID"])], snapshot)
+    print_ids([snapshot.snapshot_id], as_sent(snapshot))
 
 
 @snapshot_app.command("ls")
@@ -758,7 +770,7 @@ def snapshot_ls(
     with control_plane() as cp:
         items = cp.list_snapshots(sandbox_id)
     if fmt is OutputFormat.JSON:
-        print_json(items)
+        print_json([as_sent(item) for item in items])
         return
     if not items:
         note("no snapshots")
@@ -767,11 +779,11 @@ def snapshot_ls(
         ("SNAPSHOT", "NAMES", "SANDBOX", "TEMPLATE", "CREATED"),
         [
             (
-                str(item["snapshotID"]),
-                ", ".join(item.get("names") or []) or "-",
-                str(item.get("sandboxID") or "-"),
-                str(item.get("templateID") or "-"),
-                ago(item.get("createdAt")),
+                item.snapshot_id,
+                ", ".join(item.names) or "-",
+                item.sandbox_id or "-",
+                item.template_id or "-",
+                ago(item.created_at),
             )
             for item in items
         ],

@@ -57,6 +57,15 @@ def print_json(value: Any) -> None:
     sys.stdout.flush()
 
 
+def as_sent(value: object, *, exclude_none: bool = False) -> Any:
+    """``value`` (an API model, or a field of one) as the server's JSON has it, field
+    aliases and ISO times, for ``--output json``; ``exclude_none`` for the routes that
+    leave unset fields out rather than send null."""
+    import pydantic_core  # only commands that had an answer from the server need it
+
+    return pydantic_core.to_jsonable_python(value, by_alias=True, exclude_none=exclude_none)
+
+
 def print_lines(lines: Iterable[str]) -> None:
     for line in lines:
         sys.stdout.write(line + "\n")
@@ -94,11 +103,15 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[str]], title: str | No
 
 
 def parse_time(value: object) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+    """An API model's time, or one as JSON gives it (ISO 8601); naive ones are UTC."""
+    if isinstance(value, datetime):
+        parsed = value
+    elif isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    else:
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 

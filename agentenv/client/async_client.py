@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import e2b
 import httpx
 
-from agentenv.api.models import Health, Lineage, SandboxDetail, SnapshotInfo
+from agentenv.api.models import (
+    ForkResult,
+    Health,
+    Lineage,
+    SandboxDetail,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from agentenv.api.models import Sandbox as SandboxBody
 from agentenv.client import wire
 from agentenv.client.connection import Connection, SandboxRef, sandbox_id_of
 from agentenv.client.errors import (
@@ -19,7 +27,17 @@ from agentenv.client.errors import (
     error_from_transport,
     translated_sdk_errors,
 )
-from agentenv.client.wire import SnapshotPage, path_part, snapshot_id_of
+from agentenv.client.wire import (
+    ResumeResult,
+    SandboxPage,
+    SnapshotPage,
+    path_part,
+    snapshot_id_of,
+)
+from agentenv.limits import MAX_PAGE_SIZE
+
+if TYPE_CHECKING:
+    import e2b
 
 __all__ = ["AsyncAgentEnv"]
 
@@ -35,14 +53,19 @@ class AsyncAgentEnv:
         api_key: str | None = None,
         *,
         sandbox_url: str | None = None,
+        connection: Connection | None = None,
         http_client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         request_timeout: float | httpx.Timeout = wire.DEFAULT_REQUEST_TIMEOUT,
     ) -> None:
-        self.connection = Connection.resolve(server, api_key, sandbox_url)
+        self.connection = connection or Connection.resolve(server, api_key, sandbox_url)
         self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(transport=transport, timeout=request_timeout)
-        self._sdk = self.connection.e2b_client()
+
+    @functools.cached_property
+    def _sdk(self) -> e2b.E2B:
+        # Made (and the SDK imported) on first use: the HTTP routes alone do not need it.
+        return self.connection.e2b_client()
 
     # -- lifetime of the client ------------------------------------------------------------
     async def aclose(self) -> None:
@@ -79,6 +102,15 @@ class AsyncAgentEnv:
             raise error_from_response(response)
         return response
 
+    async def _delete(self, path: str, missing_ok: bool) -> bool:
+        try:
+            await self._request("DELETE", path)
+        except NotFoundError:
+            if missing_ok:
+                return False
+            raise
+        return True
+
     # -- node --------------------------------------------------------------------------------
     async def health(self) -> Health:
         """The node's status: VMM, accelerator, templates, sandbox count (no key needed)."""
@@ -91,6 +123,17 @@ class AsyncAgentEnv:
         with translated_sdk_errors(self.connection.server):
             return await self._sdk.AsyncSandbox.create(template=template, **options)
 
+    async def start(
+        self,
+        template: str = "base",
+        *,
+        timeout: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        envs: Mapping[str, str] | None = None,
+    ) -> SandboxBody:
+        body = wire.create_body(template, timeout, metadata, envs)
+        return wire.decode(wire.SANDBOX, await self._request("POST", "/v2/sandboxes", json=body))
+
     async def connect(self, sandbox: SandboxRef, *, timeout: int | None = None) -> e2b.AsyncSandbox:
         """An SDK object for an existing sandbox, resumed if it was paused."""
         with translated_sdk_errors(self.connection.server):
@@ -98,34 +141,84 @@ class AsyncAgentEnv:
 
     sandbox = connect
 
+    async def resume(self, sandbox: SandboxRef, *, timeout: int | None = None) -> ResumeResult:
+        body = {"timeout": timeout} if timeout is not None else {}
+        path = f"/v2/sandboxes/{path_part(sandbox_id_of(sandbox))}/connect"
+        return wire.resume_result(await self._request("POST", path, json=body))
+
+    async def pause(self, sandbox: SandboxRef) -> None:
+        await self._request("POST", f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/pause")
+
+    async def set_timeout(self, sandbox: SandboxRef, seconds: int) -> None:
+        path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/timeout"
+        await self._request("POST", path, json={"timeout": seconds})
+
+    async def refresh(self, sandbox: SandboxRef, seconds: int) -> None:
+        path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/refreshes"
+        await self._request("POST", path, json=wire.refresh_body(seconds))
+
     async def get(self, sandbox: SandboxRef) -> SandboxDetail:
         path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}"
         return wire.decode(wire.SANDBOX_DETAIL, await self._request("GET", path))
 
-    async def list_sandboxes(self) -> list[SandboxDetail]:
-        return wire.decode(wire.SANDBOX_DETAILS, await self._request("GET", "/sandboxes"))
+    async def list_sandboxes_page(
+        self,
+        *,
+        state: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        limit: int | None = None,
+        next_token: str | None = None,
+    ) -> SandboxPage:
+        query = wire.sandbox_query(state, metadata, limit, next_token)
+        return wire.sandbox_page(await self._request("GET", "/v2/sandboxes", params=query))
+
+    async def iter_sandboxes(
+        self,
+        *,
+        state: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        page_size: int = MAX_PAGE_SIZE,
+    ) -> AsyncIterator[SandboxDetail]:
+        token: str | None = None
+        while True:
+            page = await self.list_sandboxes_page(
+                state=state, metadata=metadata, limit=page_size, next_token=token
+            )
+            for item in page.items:
+                yield item
+            if page.next_token is None:
+                return
+            token = page.next_token
+
+    async def list_sandboxes(
+        self, *, state: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> list[SandboxDetail]:
+        return [s async for s in self.iter_sandboxes(state=state, metadata=metadata)]
 
     async def lineage(self, sandbox: SandboxRef) -> Lineage:
         return wire.lineage_of(await self.get(sandbox))
 
-    async def kill(self, sandbox: SandboxRef) -> bool:
-        """Kill the sandbox: ``True``, or ``False`` when there was no such sandbox."""
-        try:
-            await self._request("DELETE", f"/sandboxes/{path_part(sandbox_id_of(sandbox))}")
-        except NotFoundError:
-            return False
-        return True
+    async def kill(self, sandbox: SandboxRef, *, missing_ok: bool = True) -> bool:
+        """Kill the sandbox: ``True``, or ``False`` when there was no such sandbox (a
+        ``NotFoundError`` unless ``missing_ok``)."""
+        return await self._delete(f"/sandboxes/{path_part(sandbox_id_of(sandbox))}", missing_ok)
 
-    async def fork(
+    async def fork_results(
         self, sandbox: SandboxRef, count: int = 1, *, timeout: int | None = None
-    ) -> list[e2b.AsyncSandbox | AgentEnvError]:
-        """Like ``AgentEnv.fork``, with ``e2b.AsyncSandbox`` children."""
+    ) -> list[ForkResult]:
         response = await self._request(
             "POST",
             f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/fork",
             json=wire.fork_body(count, timeout),
         )
-        return wire.fork_children(response, self.connection, self._sdk.AsyncSandbox)
+        return wire.decode(wire.FORK_RESULTS, response)
+
+    async def fork(
+        self, sandbox: SandboxRef, count: int = 1, *, timeout: int | None = None
+    ) -> list[e2b.AsyncSandbox | AgentEnvError]:
+        """Like ``AgentEnv.fork``, with ``e2b.AsyncSandbox`` children."""
+        results = await self.fork_results(sandbox, count, timeout=timeout)
+        return wire.fork_children(results, self.connection, self._sdk.AsyncSandbox)
 
     # -- snapshots ---------------------------------------------------------------------------
     async def snapshot(self, sandbox: SandboxRef, name: str | None = None) -> SnapshotInfo:
@@ -163,9 +256,14 @@ class AsyncAgentEnv:
         path = f"/snapshots/{path_part(snapshot_id_of(snapshot))}"
         return wire.decode(wire.SNAPSHOT, await self._request("GET", path))
 
-    async def delete_snapshot(self, snapshot: str | SnapshotInfo) -> bool:
-        try:
-            await self._request("DELETE", f"/snapshots/{path_part(snapshot_id_of(snapshot))}")
-        except NotFoundError:
-            return False
-        return True
+    async def delete_snapshot(
+        self, snapshot: str | SnapshotInfo, *, missing_ok: bool = True
+    ) -> bool:
+        return await self._delete(f"/snapshots/{path_part(snapshot_id_of(snapshot))}", missing_ok)
+
+    # -- templates ---------------------------------------------------------------------------
+    async def list_templates(self) -> list[TemplateInfo]:
+        return wire.decode(wire.TEMPLATES, await self._request("GET", "/v2/templates"))
+
+    async def delete_template(self, template: str, *, missing_ok: bool = True) -> bool:
+        return await self._delete(f"/templates/{path_part(template)}", missing_ok)

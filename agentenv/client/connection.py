@@ -1,24 +1,28 @@
 """Where the server is and how to authenticate, resolved from arguments or the
-environment, and the bridge to ``e2b`` SDK objects bound to the same server."""
+environment, and the bridge to ``e2b`` SDK objects bound to the same server.
+
+The SDK is imported only when an SDK object is made: it takes most of a second to import,
+which a caller of the HTTP routes alone (the ``aenv`` CLI's listings) should not pay."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
-
-import e2b
-from packaging.version import Version
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, Union
 
 from agentenv.api.models import Sandbox as SandboxBody
 
+if TYPE_CHECKING:
+    import e2b
+
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 
-SandboxRef = str | e2b.Sandbox | e2b.AsyncSandbox
+# Quoted (hence Union: `|` cannot join strings), so that this module need not import the SDK.
+SandboxRef: TypeAlias = Union[str, "e2b.Sandbox", "e2b.AsyncSandbox"]
 """A sandbox as the client's methods accept it: its id or an SDK object."""
 
-SandboxT = TypeVar("SandboxT", e2b.Sandbox, e2b.AsyncSandbox)
+SandboxT = TypeVar("SandboxT", "e2b.Sandbox", "e2b.AsyncSandbox")
 
 
 def sandbox_id_of(sandbox: SandboxRef) -> str:
@@ -57,6 +61,8 @@ class Connection:
     def e2b_client(self) -> e2b.E2B:
         """An SDK client bound to this server. ``debug`` is pinned off: with ``E2B_DEBUG``
         set, the SDK would skip the control plane altogether."""
+        import e2b
+
         return e2b.E2B(
             api_key=self.api_key, api_url=self.server, sandbox_url=self.sandbox_url, debug=False
         )
@@ -64,6 +70,9 @@ class Connection:
     def sdk_sandbox(self, cls: type[SandboxT], body: SandboxBody) -> SandboxT:
         """An SDK object for a sandbox the server has just started (a fork child), built
         from the create-style response as the SDK builds its own, without a round trip."""
+        import e2b
+        from packaging.version import Version
+
         envd_headers = {
             "E2b-Sandbox-Id": body.sandbox_id,
             "E2b-Sandbox-Port": str(e2b.ConnectionConfig.envd_port),

@@ -1,13 +1,13 @@
 """One exception hierarchy for everything the client reports: HTTP errors mapped from the
 server's JSON ``{"code", "message"}`` body, transport failures, and the SDK's exceptions
-from the control-plane calls the client makes through it (create, connect)."""
+from the control-plane calls the client makes through it (create, connect). The classes,
+not status numbers, are what callers (the ``aenv`` CLI among them) branch on."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
-import e2b
 import httpx
 
 
@@ -40,8 +40,16 @@ class ConflictError(AgentEnvError):
     """409: the sandbox is not in a state that allows the operation."""
 
 
+class NotSupportedError(AgentEnvError):
+    """501: the server lacks the feature."""
+
+
 class UnreachableError(AgentEnvError):
     """No connection to the server could be made."""
+
+
+class NoAnswerError(AgentEnvError):
+    """Connected, but no answer came in time; the request may still have taken effect."""
 
 
 _BY_STATUS: dict[int, type[AgentEnvError]] = {
@@ -50,6 +58,7 @@ _BY_STATUS: dict[int, type[AgentEnvError]] = {
     403: AuthError,
     404: NotFoundError,
     409: ConflictError,
+    501: NotSupportedError,
 }
 
 
@@ -73,18 +82,26 @@ def error_from_response(response: httpx.Response) -> AgentEnvError:
 
 
 def error_from_transport(exc: httpx.TransportError, url: str) -> AgentEnvError:
-    """Failing to connect means the server is unreachable; a failure once connected
-    (a read timeout during a long fork, a dropped connection) is reported as such, since
-    the request may have taken effect."""
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return UnreachableError(None, f"cannot reach {url}: {str(exc) or type(exc).__name__}")
-    return AgentEnvError(None, f"request to {url} failed: {str(exc) or type(exc).__name__}")
+    """Failing to connect (or a URL no connection can be made to, such as ``ftp://``)
+    means the server is unreachable; a failure once connected (a read timeout during a
+    long fork, a dropped connection) is reported as such, since the request may have
+    taken effect."""
+    reason = str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.UnsupportedProtocol):
+        return UnreachableError(None, f"cannot reach {url}: {reason}")
+    if isinstance(exc, httpx.TimeoutException):
+        return NoAnswerError(None, f"no answer from {url} in time: {reason}")
+    return AgentEnvError(None, f"request to {url} failed: {reason}")
 
 
 @contextlib.contextmanager
 def translated_sdk_errors(server: str) -> Iterator[None]:
     """Raise the SDK's control-plane exceptions inside the block as this client's, so a
     caller handles one hierarchy whichever way a call went. (Works around ``await`` too.)"""
+    # Imported here: the SDK takes most of a second to import, which callers of the HTTP
+    # routes alone (most ``aenv`` commands) should not pay.
+    import e2b
+
     try:
         yield
     except httpx.TransportError as exc:

@@ -9,15 +9,16 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar, get_args
-
-import e2b
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar, get_args
 
 from agentenv.api.models import SnapshotInfo
 from agentenv.client.async_client import AsyncAgentEnv
 from agentenv.client.connection import SandboxRef
 from agentenv.client.errors import AgentEnvError
 from agentenv.client.sync_client import AgentEnv
+
+if TYPE_CHECKING:
+    import e2b  # imported by the client once it makes SDK objects
 
 T = TypeVar("T")
 
@@ -69,7 +70,7 @@ def rollout(
     _check_after(after)
     children = client.fork(sandbox, n, timeout=timeout)
     results: list[RolloutResult[T] | None] = _results_for_failed(children)
-    started = [(i, c) for i, c in enumerate(children) if isinstance(c, e2b.Sandbox)]
+    started = [(i, c) for i, c in enumerate(children) if not isinstance(c, AgentEnvError)]
 
     def run(index: int, child: e2b.Sandbox) -> RolloutResult[T]:
         result: RolloutResult[T] = RolloutResult(index, child.sandbox_id)
@@ -121,7 +122,7 @@ async def rollout_async(
     _check_after(after)
     children = await client.fork(sandbox, n, timeout=timeout)
     results: list[RolloutResult[T] | None] = _results_for_failed(children)
-    started = [(i, c) for i, c in enumerate(children) if isinstance(c, e2b.AsyncSandbox)]
+    started = [(i, c) for i, c in enumerate(children) if not isinstance(c, AgentEnvError)]
 
     async def run(index: int, child: e2b.AsyncSandbox) -> RolloutResult[T]:
         result: RolloutResult[T] = RolloutResult(index, child.sandbox_id)

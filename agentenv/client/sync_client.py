@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import e2b
 import httpx
 
-from agentenv.api.models import Health, Lineage, SandboxDetail, SnapshotInfo
+from agentenv.api.models import (
+    ForkResult,
+    Health,
+    Lineage,
+    SandboxDetail,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from agentenv.api.models import Sandbox as SandboxBody
 from agentenv.client import wire
 from agentenv.client.connection import Connection, SandboxRef, sandbox_id_of
 from agentenv.client.errors import (
@@ -19,7 +27,17 @@ from agentenv.client.errors import (
     error_from_transport,
     translated_sdk_errors,
 )
-from agentenv.client.wire import SnapshotPage, path_part, snapshot_id_of
+from agentenv.client.wire import (
+    ResumeResult,
+    SandboxPage,
+    SnapshotPage,
+    path_part,
+    snapshot_id_of,
+)
+from agentenv.limits import MAX_PAGE_SIZE
+
+if TYPE_CHECKING:
+    import e2b
 
 __all__ = ["AgentEnv"]
 
@@ -29,8 +47,9 @@ class AgentEnv:
 
     ``server``, ``api_key`` and ``sandbox_url`` default to ``AENV_SERVER`` (or
     ``E2B_API_URL``), ``AENV_API_KEY`` (or ``E2B_API_KEY``) and ``E2B_SANDBOX_URL`` (or the
-    server URL). Pass ``http_client`` to use your own ``httpx.Client`` (it is not closed
-    here), or ``transport`` to swap the one a new client gets. Sandboxes come back as
+    server URL); pass a ``connection`` instead to read nothing from the environment. Pass
+    ``http_client`` to use your own ``httpx.Client`` (it is not closed here), or
+    ``transport`` to swap the one a new client gets. Sandboxes come back as
     ``e2b.Sandbox`` objects bound to the same server; every method that takes a sandbox
     accepts its id or such an object. Failures raise ``AgentEnvError`` subclasses (what
     the returned SDK objects do themselves raises the SDK's exceptions).
@@ -42,14 +61,19 @@ class AgentEnv:
         api_key: str | None = None,
         *,
         sandbox_url: str | None = None,
+        connection: Connection | None = None,
         http_client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
         request_timeout: float | httpx.Timeout = wire.DEFAULT_REQUEST_TIMEOUT,
     ) -> None:
-        self.connection = Connection.resolve(server, api_key, sandbox_url)
+        self.connection = connection or Connection.resolve(server, api_key, sandbox_url)
         self._owns_http = http_client is None
         self._http = http_client or httpx.Client(transport=transport, timeout=request_timeout)
-        self._sdk = self.connection.e2b_client()
+
+    @functools.cached_property
+    def _sdk(self) -> e2b.E2B:
+        # Made (and the SDK imported) on first use: the HTTP routes alone do not need it.
+        return self.connection.e2b_client()
 
     # -- lifetime of the client ------------------------------------------------------------
     def close(self) -> None:
@@ -86,6 +110,15 @@ class AgentEnv:
             raise error_from_response(response)
         return response
 
+    def _delete(self, path: str, missing_ok: bool) -> bool:
+        try:
+            self._request("DELETE", path)
+        except NotFoundError:
+            if missing_ok:
+                return False
+            raise
+        return True
+
     # -- node --------------------------------------------------------------------------------
     def health(self) -> Health:
         """The node's status: VMM, accelerator, templates, sandbox count (no key needed)."""
@@ -98,6 +131,20 @@ class AgentEnv:
         with translated_sdk_errors(self.connection.server):
             return self._sdk.Sandbox.create(template=template, **options)
 
+    def start(
+        self,
+        template: str = "base",
+        *,
+        timeout: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        envs: Mapping[str, str] | None = None,
+    ) -> SandboxBody:
+        """Like ``create``, but the server's answer (id, envd version, access token) rather
+        than an SDK object, so that nothing but the HTTP route is needed."""
+        body = wire.create_body(template, timeout, metadata, envs)
+        # v2 creates are secured: envd traffic needs the returned envdAccessToken.
+        return wire.decode(wire.SANDBOX, self._request("POST", "/v2/sandboxes", json=body))
+
     def connect(self, sandbox: SandboxRef, *, timeout: int | None = None) -> e2b.Sandbox:
         """An SDK object for an existing sandbox, resumed if it was paused. ``timeout`` only
         ever extends its lifetime."""
@@ -106,39 +153,101 @@ class AgentEnv:
 
     sandbox = connect
 
+    def resume(self, sandbox: SandboxRef, *, timeout: int | None = None) -> ResumeResult:
+        """Make sure the sandbox runs, resuming it if it was paused, as ``connect`` does,
+        but answer with the server's view and whether it had to resume. ``timeout`` only
+        ever extends its lifetime."""
+        body = {"timeout": timeout} if timeout is not None else {}
+        path = f"/v2/sandboxes/{path_part(sandbox_id_of(sandbox))}/connect"
+        return wire.resume_result(self._request("POST", path, json=body))
+
+    def pause(self, sandbox: SandboxRef) -> None:
+        """Pause the sandbox, memory and disk kept; ``resume`` or ``connect`` wake it."""
+        self._request("POST", f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/pause")
+
+    def set_timeout(self, sandbox: SandboxRef, seconds: int) -> None:
+        """Kill the sandbox ``seconds`` from now (sooner or later than it would have been)."""
+        path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/timeout"
+        self._request("POST", path, json={"timeout": seconds})
+
+    def refresh(self, sandbox: SandboxRef, seconds: int) -> None:
+        """Keep the sandbox alive at least ``seconds`` from now; never shortens its life."""
+        path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/refreshes"
+        self._request("POST", path, json=wire.refresh_body(seconds))
+
     def get(self, sandbox: SandboxRef) -> SandboxDetail:
         """The sandbox's detail: state, lifetime, resources, lineage."""
         path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}"
         return wire.decode(wire.SANDBOX_DETAIL, self._request("GET", path))
 
-    def list_sandboxes(self) -> list[SandboxDetail]:
-        return wire.decode(wire.SANDBOX_DETAILS, self._request("GET", "/sandboxes"))
+    def list_sandboxes_page(
+        self,
+        *,
+        state: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        limit: int | None = None,
+        next_token: str | None = None,
+    ) -> SandboxPage:
+        """One page of sandboxes, optionally only those in ``state`` (``running`` or
+        ``paused``) whose metadata hold every pair of ``metadata``."""
+        query = wire.sandbox_query(state, metadata, limit, next_token)
+        return wire.sandbox_page(self._request("GET", "/v2/sandboxes", params=query))
+
+    def iter_sandboxes(
+        self,
+        *,
+        state: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        page_size: int = MAX_PAGE_SIZE,
+    ) -> Iterator[SandboxDetail]:
+        """Every matching sandbox, fetching pages of ``page_size`` as it goes."""
+        token: str | None = None
+        while True:
+            page = self.list_sandboxes_page(
+                state=state, metadata=metadata, limit=page_size, next_token=token
+            )
+            yield from page.items
+            if page.next_token is None:
+                return
+            token = page.next_token
+
+    def list_sandboxes(
+        self, *, state: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> list[SandboxDetail]:
+        """Every sandbox, or those matching ``state`` and ``metadata`` (see
+        ``list_sandboxes_page``), oldest first."""
+        return list(self.iter_sandboxes(state=state, metadata=metadata))
 
     def lineage(self, sandbox: SandboxRef) -> Lineage:
         """Where the sandbox comes from (parent, template or snapshot) and its live children."""
         return wire.lineage_of(self.get(sandbox))
 
-    def kill(self, sandbox: SandboxRef) -> bool:
-        """Kill the sandbox: ``True``, or ``False`` when there was no such sandbox."""
-        try:
-            self._request("DELETE", f"/sandboxes/{path_part(sandbox_id_of(sandbox))}")
-        except NotFoundError:
-            return False
-        return True
+    def kill(self, sandbox: SandboxRef, *, missing_ok: bool = True) -> bool:
+        """Kill the sandbox: ``True``, or ``False`` when there was no such sandbox (a
+        ``NotFoundError`` unless ``missing_ok``)."""
+        return self._delete(f"/sandboxes/{path_part(sandbox_id_of(sandbox))}", missing_ok)
 
-    def fork(
+    def fork_results(
         self, sandbox: SandboxRef, count: int = 1, *, timeout: int | None = None
-    ) -> list[e2b.Sandbox | AgentEnvError]:
-        """Fork a running sandbox into ``count`` (1..20) children sharing its memory and
-        files; the parent keeps running. One entry per child, in order: a ready
-        ``e2b.Sandbox``, or the ``AgentEnvError`` that kept it from starting. ``timeout``
-        is the children's lifetime in seconds (the server's default when ``None``)."""
+    ) -> list[ForkResult]:
+        """``fork`` as the server answers it: per child, its sandbox or its error."""
         response = self._request(
             "POST",
             f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/fork",
             json=wire.fork_body(count, timeout),
         )
-        return wire.fork_children(response, self.connection, self._sdk.Sandbox)
+        return wire.decode(wire.FORK_RESULTS, response)
+
+    def fork(
+        self, sandbox: SandboxRef, count: int = 1, *, timeout: int | None = None
+    ) -> list[e2b.Sandbox | AgentEnvError]:
+        """Fork a running sandbox into ``count`` children (1 to
+        ``agentenv.limits.MAX_FORK_CHILDREN``) sharing its memory and files; the parent
+        keeps running. One entry per child, in order: a ready ``e2b.Sandbox``, or the
+        ``AgentEnvError`` that kept it from starting. ``timeout`` is the children's
+        lifetime in seconds (the server's default when ``None``)."""
+        results = self.fork_results(sandbox, count, timeout=timeout)
+        return wire.fork_children(results, self.connection, self._sdk.Sandbox)
 
     # -- snapshots ---------------------------------------------------------------------------
     def snapshot(self, sandbox: SandboxRef, name: str | None = None) -> SnapshotInfo:
@@ -179,11 +288,21 @@ class AgentEnv:
         path = f"/snapshots/{path_part(snapshot_id_of(snapshot))}"
         return wire.decode(wire.SNAPSHOT, self._request("GET", path))
 
-    def delete_snapshot(self, snapshot: str | SnapshotInfo) -> bool:
+    def delete_snapshot(self, snapshot: str | SnapshotInfo, *, missing_ok: bool = True) -> bool:
         """Delete a snapshot (its files go once no sandbox uses them): ``True``, or
-        ``False`` when there was no such snapshot."""
-        try:
-            self._request("DELETE", f"/snapshots/{path_part(snapshot_id_of(snapshot))}")
-        except NotFoundError:
-            return False
-        return True
+        ``False`` when there was no such snapshot (a ``NotFoundError`` unless
+        ``missing_ok``)."""
+        return self._delete(f"/snapshots/{path_part(snapshot_id_of(snapshot))}", missing_ok)
+
+    # -- templates ---------------------------------------------------------------------------
+    def list_templates(self) -> list[TemplateInfo]:
+        """The templates: the built-in one once built, and those built from images and
+        Dockerfiles (with their build state). ``health().templates`` has the built-in one
+        while it is still building."""
+        return wire.decode(wire.TEMPLATES, self._request("GET", "/v2/templates"))
+
+    def delete_template(self, template: str, *, missing_ok: bool = True) -> bool:
+        """Delete a template or snapshot by id or name: ``True``, or ``False`` when there
+        was none (a ``NotFoundError`` unless ``missing_ok``). Built-in templates cannot be
+        deleted (``ConflictError``)."""
+        return self._delete(f"/templates/{path_part(template)}", missing_ok)

@@ -4,25 +4,38 @@ so the two differ only in how they wait for I/O."""
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from agentenv.api.models import ForkResult, Health, Lineage, SandboxDetail, SnapshotInfo
+from agentenv.api.models import (
+    ForkResult,
+    Health,
+    Lineage,
+    SandboxDetail,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from agentenv.api.models import Sandbox as SandboxBody
 from agentenv.client.connection import Connection, SandboxT
 from agentenv.client.errors import AgentEnvError, error_for
+from agentenv.limits import MAX_FORK_CHILDREN, MAX_REFRESH_DURATION_S
 
-# Forks and snapshots stop and copy VMs; under TCG a fork of 20 takes tens of seconds.
+# Forks and snapshots stop and copy VMs; under TCG a fork of MAX_FORK_CHILDREN takes tens
+# of seconds. Connecting must fail fast, so that an unreachable server is reported promptly.
 DEFAULT_REQUEST_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 
 FORK_RESULTS = TypeAdapter(list[ForkResult])
 HEALTH = TypeAdapter(Health)
+SANDBOX = TypeAdapter(SandboxBody)
 SANDBOX_DETAIL = TypeAdapter(SandboxDetail)
 SANDBOX_DETAILS = TypeAdapter(list[SandboxDetail])
 SNAPSHOT = TypeAdapter(SnapshotInfo)
 SNAPSHOTS = TypeAdapter(list[SnapshotInfo])
+TEMPLATES = TypeAdapter(list[TemplateInfo])
 
 ModelT = TypeVar("ModelT")
 
@@ -35,7 +48,27 @@ class SnapshotPage:
     next_token: str | None
 
 
+@dataclass(frozen=True)
+class SandboxPage:
+    """One page of ``GET /v2/sandboxes``; ``next_token`` fetches the next, ``None`` at the
+    end."""
+
+    items: list[SandboxDetail]
+    next_token: str | None
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """The answer to a connect: the sandbox as a create returns it, and whether it was
+    paused and has been resumed (``False``: it was running already)."""
+
+    sandbox: SandboxBody
+    resumed: bool
+
+
 def path_part(value: str) -> str:
+    """``value`` as one URL path segment: ids are safe as they are, but names may hold
+    ``/`` or ``:``, and an id from user input anything."""
     return urllib.parse.quote(value, safe="")
 
 
@@ -44,12 +77,58 @@ def snapshot_id_of(snapshot: str | SnapshotInfo) -> str:
 
 
 def fork_body(count: int, timeout: int | None) -> dict[str, int]:
-    if not 1 <= count <= 20:
-        raise ValueError(f"count must be between 1 and 20, not {count}")
+    if not 1 <= count <= MAX_FORK_CHILDREN:
+        raise ValueError(f"count must be between 1 and {MAX_FORK_CHILDREN}, not {count}")
     body = {"count": count}
     if timeout is not None:
         body["timeout"] = timeout
     return body
+
+
+def create_body(
+    template: str,
+    timeout: int | None,
+    metadata: Mapping[str, str] | None,
+    envs: Mapping[str, str] | None,
+) -> dict[str, object]:
+    body: dict[str, object] = {
+        "templateID": template,
+        "metadata": dict(metadata or {}),
+        "envVars": dict(envs or {}),
+    }
+    if timeout is not None:
+        body["timeout"] = timeout
+    return body
+
+
+def refresh_body(seconds: int) -> dict[str, int]:
+    if not 0 <= seconds <= MAX_REFRESH_DURATION_S:
+        raise ValueError(
+            f"a refresh extends by 0 to {MAX_REFRESH_DURATION_S} seconds, not {seconds}"
+        )
+    return {"duration": seconds}
+
+
+def sandbox_query(
+    state: str | None,
+    metadata: Mapping[str, str] | None,
+    limit: int | None,
+    next_token: str | None,
+) -> dict[str, str | int]:
+    query: dict[str, str | int] = {}
+    if state is not None:
+        query["state"] = state
+    if metadata:
+        # Quoted, then encoded once more (as the SDK does): the server unquotes each key
+        # and value after parsing the query string, so `=` and `&` in them survive.
+        query["metadata"] = urllib.parse.urlencode(
+            {urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()}
+        )
+    if limit is not None:
+        query["limit"] = limit
+    if next_token is not None:
+        query["nextToken"] = next_token
+    return query
 
 
 def snapshot_query(
@@ -75,23 +154,35 @@ def decode(adapter: TypeAdapter[ModelT], response: httpx.Response) -> ModelT:
     except ValidationError as exc:
         raise AgentEnvError(
             response.status_code,
-            f"unexpected response from {response.request.url}: {exc.error_count()} problem(s), "
-            f"first: {exc.errors()[0]['msg']}",
+            f"unexpected response from {response.request.url} (is it an agentenv server?): "
+            f"{exc.error_count()} problem(s), first: {exc.errors()[0]['msg']}",
         ) from exc
 
 
+def next_token_of(response: httpx.Response) -> str | None:
+    return response.headers.get("X-Next-Token") or None
+
+
 def snapshot_page(response: httpx.Response) -> SnapshotPage:
-    items = decode(SNAPSHOTS, response)
-    return SnapshotPage(items=items, next_token=response.headers.get("X-Next-Token") or None)
+    return SnapshotPage(items=decode(SNAPSHOTS, response), next_token=next_token_of(response))
+
+
+def sandbox_page(response: httpx.Response) -> SandboxPage:
+    return SandboxPage(items=decode(SANDBOX_DETAILS, response), next_token=next_token_of(response))
+
+
+def resume_result(response: httpx.Response) -> ResumeResult:
+    # The connect route answers 201 when it resumed the sandbox, 200 when it ran already.
+    return ResumeResult(sandbox=decode(SANDBOX, response), resumed=response.status_code == 201)
 
 
 def fork_children(
-    response: httpx.Response, connection: Connection, cls: type[SandboxT]
+    results: list[ForkResult], connection: Connection, cls: type[SandboxT]
 ) -> list[SandboxT | AgentEnvError]:
     """One SDK sandbox per started child, in order, and an ``AgentEnvError`` in the place
     of each child that did not start."""
     children: list[SandboxT | AgentEnvError] = []
-    for result in decode(FORK_RESULTS, response):
+    for result in results:
         if result.sandbox is not None:
             children.append(connection.sdk_sandbox(cls, result.sandbox))
         elif result.error is not None:
