@@ -43,6 +43,7 @@ from agentenv.api.models import (
     TimeoutRequest,
 )
 from agentenv.api.templates import template_routes
+from agentenv.limits import MAX_PAGE_SIZE
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
@@ -303,7 +304,7 @@ def create_app(
         response: Response,
         metadata: str | None = None,
         state: str | None = None,
-        limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[SandboxDetail]:
         views = orchestrator.list_sandboxes()
@@ -482,7 +483,7 @@ def create_app(
         response: Response,
         sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
         name: str | None = None,
-        limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[SnapshotInfo]:
         views = await orchestrator.list_snapshots(sandbox_id)

@@ -29,6 +29,7 @@ from agentenv.api.models import (
     TemplateInfo,
     TemplateRequestResponse,
 )
+from agentenv.limits import MAX_PAGE_SIZE
 from agentenv.orchestrator.build_plan import PlanError, parse_build
 from agentenv.orchestrator.builds import Build, BuildManager
 from agentenv.orchestrator.errors import (
@@ -143,7 +144,7 @@ def template_routes(
         template_id: str,
         build_id: str,
         logs_offset: Annotated[int, Query(alias="logsOffset", ge=0)] = 0,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
         level: str | None = None,
     ) -> TemplateBuildInfo:
         """Log entries from ``logsOffset`` on, at most ``limit``: the SDK polls until a
