@@ -514,6 +514,17 @@ async def test_restart_discards_creating_killing_and_orphans(node: Node) -> None
 
 
 # -- handoff between nodes --------------------------------------------------------------------
+async def _two_nodes(tmp_path: Path) -> tuple[Node, Node]:
+    """Two nodes sharing one repository. Their background handoff checks are off, so
+    the tests decide when a node checks (:meth:`RepositorySync.check_handoffs`)."""
+    repository = tmp_path / "repository"
+    a = await start_node(tmp_path / "a", repository, node_id="node-a")
+    b = await start_node(tmp_path / "b", repository, node_id="node-b", template=False)
+    for node in (a, b):
+        node.orchestrator._handoffs_checked = float("inf")
+    return a, b
+
+
 async def _paused_and_committed(node: Node, sandbox_id: str) -> None:
     await node.orchestrator.pause(sandbox_id)
     upload = node.orchestrator._supervisor.job("upload", sandbox_id)
@@ -523,9 +534,7 @@ async def _paused_and_committed(node: Node, sandbox_id: str) -> None:
 
 
 async def test_handoff_to_another_node(tmp_path: Path) -> None:
-    repository = tmp_path / "repository"
-    a = await start_node(tmp_path / "a", repository, node_id="node-a")
-    b = await start_node(tmp_path / "b", repository, node_id="node-b", template=False)
+    a, b = await _two_nodes(tmp_path)
     try:
         view = await a.orchestrator.create(FAKE_TEMPLATE, metadata={"k": "v"}, secure=True)
         sandbox_id = view.sandbox_id
@@ -555,9 +564,7 @@ async def test_handoff_to_another_node(tmp_path: Path) -> None:
 
 
 async def test_resume_on_the_old_node_after_a_handoff_is_refused(tmp_path: Path) -> None:
-    repository = tmp_path / "repository"
-    a = await start_node(tmp_path / "a", repository, node_id="node-a")
-    b = await start_node(tmp_path / "b", repository, node_id="node-b", template=False)
+    a, b = await _two_nodes(tmp_path)
     try:
         sandbox_id = (await a.orchestrator.create(FAKE_TEMPLATE)).sandbox_id
         await _paused_and_committed(a, sandbox_id)
@@ -609,9 +616,10 @@ async def test_a_fork_child_that_fails_does_not_take_the_others(node: Node) -> N
 
 async def test_failed_auto_pause_keeps_it_running_and_retries_later(node: Node) -> None:
     orch = node.orchestrator
-    view = await orch.create(FAKE_TEMPLATE, timeout=0, auto_pause=True)
+    # A second to live: the background reaper must not reach it before this test does.
+    view = await orch.create(FAKE_TEMPLATE, timeout=1, auto_pause=True)
     node.driver.fail_next("save_state", VMMCommandError("disk full"))
-    now = utcnow() + timedelta(seconds=1)
+    now = utcnow() + timedelta(seconds=2)
     assert await orch.reap_expired(now) == [view.sandbox_id]
     rec = record(node, view.sandbox_id)
     assert rec.state == S.RUNNING and rec.end_at > now
