@@ -118,6 +118,29 @@ class ServerProcess:
         )
 
 
+def create_sandbox(
+    api: httpx.Client | ServerProcess, template: str = "base", **body: object
+) -> dict[str, Any]:
+    """Create a sandbox of ``template`` through the API (``body``: the other fields of
+    the request) and return what the API answered; fails the test unless it was created.
+    ``api`` is a client, or a server to open one to."""
+    if isinstance(api, ServerProcess):
+        with api.client() as client:
+            return create_sandbox(client, template, **body)
+    response = api.post("/sandboxes", json={"templateID": template, **body})
+    assert response.status_code == 201, response.text
+    data = response.json()
+    assert isinstance(data, dict)
+    return data
+
+
+def create_sandbox_id(
+    api: httpx.Client | ServerProcess, template: str = "base", **body: object
+) -> str:
+    """The id of a sandbox created as :func:`create_sandbox` does."""
+    return str(create_sandbox(api, template, **body)["sandboxID"])
+
+
 def cleanup_host(home: Path) -> None:
     """Kill the VMMs and remove the network resources a server with data directory
     ``home`` may have left (VMMs outlive their server by design)."""

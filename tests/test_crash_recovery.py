@@ -16,7 +16,15 @@ import httpx
 import pytest
 
 from agentenv.config import Config
-from tests.helpers import COUNTER, ServerProcess, live_server, netns_names, run_command, vmm_pids
+from tests.helpers import (
+    COUNTER,
+    ServerProcess,
+    create_sandbox_id,
+    live_server,
+    netns_names,
+    run_command,
+    vmm_pids,
+)
 
 pytestmark = pytest.mark.vm
 
@@ -25,12 +33,6 @@ pytestmark = pytest.mark.vm
 def crash_server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     with live_server(ServerProcess(home=test_root / "crash")) as srv:
         yield srv
-
-
-def _create(c: httpx.Client) -> str:
-    created = c.post("/sandboxes", json={"templateID": "base", "timeout": 600})
-    assert created.status_code == 201, created.text
-    return str(created.json()["sandboxID"])
 
 
 def _kill9_during(
@@ -79,7 +81,7 @@ def _check_alive(srv: ServerProcess, sandbox_id: str, state: str, marker: str) -
 def test_kill9_while_running(crash_server: ServerProcess) -> None:
     srv = crash_server
     with srv.client() as c:
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=600)
     run_command(srv.url, sandbox_id, "echo running > /home/user/marker")
     pid = int(run_command(srv.url, sandbox_id, COUNTER).stdout)
     srv.stop(signal.SIGKILL)
@@ -96,7 +98,7 @@ def test_kill9_while_running(crash_server: ServerProcess) -> None:
 def test_kill9_during_pause(crash_server: ServerProcess, delay: float) -> None:
     srv = crash_server
     with srv.client() as c:
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=600)
     run_command(srv.url, sandbox_id, "echo paused > /home/user/marker")
     _kill9_during(srv, "POST", f"/sandboxes/{sandbox_id}/pause", delay)
     states = _assert_consistent(srv)
@@ -111,7 +113,7 @@ def test_kill9_during_pause(crash_server: ServerProcess, delay: float) -> None:
 def test_kill9_during_snapshot(crash_server: ServerProcess, delay: float) -> None:
     srv = crash_server
     with srv.client() as c:
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=600)
     run_command(srv.url, sandbox_id, "echo snap > /home/user/marker")
     _kill9_during(srv, "POST", f"/sandboxes/{sandbox_id}/snapshots", delay)
     states = _assert_consistent(srv)
@@ -136,7 +138,7 @@ def test_kill9_during_snapshot(crash_server: ServerProcess, delay: float) -> Non
 def test_kill9_during_fork(crash_server: ServerProcess) -> None:
     srv = crash_server
     with srv.client() as c:
-        parent = _create(c)
+        parent = create_sandbox_id(c, timeout=600)
     run_command(srv.url, parent, "echo fork > /home/user/marker")
     _kill9_during(srv, "POST", f"/sandboxes/{parent}/fork", 1.0, {"count": 6})
     states = _assert_consistent(srv)
@@ -157,7 +159,7 @@ def test_vmm_killed_while_server_down_keeps_the_disk(crash_server: ServerProcess
     files: the sandbox comes back as a filesystem-only pause."""
     srv = crash_server
     with srv.client() as c:
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=600)
     run_command(srv.url, sandbox_id, "echo disk > /home/user/marker && sync")
     pids = vmm_pids(f"/sandboxes/{sandbox_id}/")
     srv.stop(signal.SIGKILL)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ServerProcess, live_server, run_command
+from tests.helpers import ServerProcess, create_sandbox_id, live_server, run_command
 
 pytestmark = pytest.mark.vm
 
@@ -20,13 +20,6 @@ def health(srv: ServerProcess) -> dict[str, Any]:
     with srv.client() as c:
         body: dict[str, Any] = c.get("/health").json()
     return body
-
-
-def start(srv: ServerProcess, template: str) -> str:
-    with srv.client() as c:
-        r = c.post("/sandboxes", json={"templateID": template, "timeout": 600})
-        assert r.status_code == 201, r.text
-        return str(r.json()["sandboxID"])
 
 
 def kill(srv: ServerProcess, sandbox_id: str) -> None:
@@ -56,7 +49,7 @@ def snapshots(test_root: Path, guest_image: None) -> Iterator[tuple[Path, list[s
     names = []
     with live_server(producer):
         for i in range(3):
-            sandbox_id = start(producer, "base")
+            sandbox_id = create_sandbox_id(producer, "base", timeout=600)
             # Different RAM contents per snapshot, so they share little.
             result = run_command(
                 producer.url,
@@ -91,7 +84,7 @@ def test_bounded_cache_evicts_refetches_and_pins(
     env = {"AENV_REPOSITORY": repository.as_uri()}
     # First with room to spare, to learn what one snapshot takes here.
     with live_server(ServerProcess(home=home, extra_env=env)) as node:
-        sandbox_id = start(node, names[0])
+        sandbox_id = create_sandbox_id(node, names[0], timeout=600)
         assert read(node, sandbox_id, "/home/user/which") == "snap-0"
         one = health(node)["cache"]["usedBytes"]
         assert one > 0
@@ -102,7 +95,7 @@ def test_bounded_cache_evicts_refetches_and_pins(
     with live_server(ServerProcess(home=home, extra_env=env)) as node:
         within_bound(node)
         for i in (1, 2, 0, 1):  # 0 was evicted by then: fetched again
-            sandbox_id = start(node, names[i])
+            sandbox_id = create_sandbox_id(node, names[i], timeout=600)
             assert read(node, sandbox_id, "/home/user/which") == f"snap-{i}"
             within_bound(node)
             kill(node, sandbox_id)
@@ -110,7 +103,7 @@ def test_bounded_cache_evicts_refetches_and_pins(
         assert fetched >= 4, "every start after the first needed a fetch"
 
         # A running sandbox pins what it started from: the next snapshot does not fit.
-        pinned = start(node, names[2])
+        pinned = create_sandbox_id(node, names[2], timeout=600)
         with node.client() as c:
             r = c.post("/sandboxes", json={"templateID": names[0]})
             assert r.status_code == 507, r.text
@@ -119,7 +112,7 @@ def test_bounded_cache_evicts_refetches_and_pins(
         within_bound(node)
         # Released: it fits again.
         kill(node, pinned)
-        sandbox_id = start(node, names[0])
+        sandbox_id = create_sandbox_id(node, names[0], timeout=600)
         assert read(node, sandbox_id, "/home/user/which") == "snap-0"
         within_bound(node)
         kill(node, sandbox_id)

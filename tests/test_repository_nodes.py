@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import COUNTER, ServerProcess, live_server, run_command
+from tests.helpers import COUNTER, ServerProcess, create_sandbox_id, live_server, run_command
 from tests.s3server import S3Server, start_s3_server
 
 pytestmark = pytest.mark.vm
@@ -26,13 +26,6 @@ def wait_for(predicate: object, timeout: float = 120.0, what: str = "condition")
             return
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def create(srv: ServerProcess, template: str = "base") -> str:
-    with srv.client() as c:
-        r = c.post("/sandboxes", json={"templateID": template, "timeout": 600})
-        assert r.status_code == 201, r.text
-        return str(r.json()["sandboxID"])
 
 
 def sh(srv: ServerProcess, sandbox_id: str, command: str) -> str:
@@ -101,7 +94,7 @@ def test_pause_on_one_node_resume_on_the_other_and_back(
     nodes: tuple[ServerProcess, ServerProcess],
 ) -> None:
     a, b = nodes
-    sandbox_id = create(a)
+    sandbox_id = create_sandbox_id(a, timeout=600)
     sh(a, sandbox_id, "echo moved > /home/user/marker.txt")
     pid = sh(a, sandbox_id, COUNTER)
     wait_for(lambda: counter(a, sandbox_id) > 2, what="the counter to run")
@@ -115,7 +108,7 @@ def test_pause_on_one_node_resume_on_the_other_and_back(
     with b.client() as c:
         r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={})
         assert r.status_code == 201, r.text
-        child = create(b, r.json()["snapshotID"])
+        child = create_sandbox_id(b, r.json()["snapshotID"], timeout=600)
         assert sh(b, child, "cat /home/user/marker.txt") == "moved"
         assert c.delete(f"/sandboxes/{child}").status_code == 204
 
@@ -135,7 +128,7 @@ def test_snapshot_taken_on_one_node_starts_sandboxes_on_the_other(
     nodes: tuple[ServerProcess, ServerProcess],
 ) -> None:
     a, b = nodes
-    sandbox_id = create(a)
+    sandbox_id = create_sandbox_id(a, timeout=600)
     sh(a, sandbox_id, "echo from-a > /home/user/snap.txt")
     name = f"shared-{sandbox_id[-6:]}"
     with a.client() as c:
@@ -146,7 +139,7 @@ def test_snapshot_taken_on_one_node_starts_sandboxes_on_the_other(
         again = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": name})
         assert again.status_code == 409, again.text
     wait_for(lambda: snapshot_visible(b, name), what="the snapshot to reach B")
-    child = create(b, name)
+    child = create_sandbox_id(b, name, timeout=600)
     assert sh(b, child, "cat /home/user/snap.txt") == "from-a"
     with b.client() as c:
         listed = c.get("/snapshots").json()
@@ -169,7 +162,7 @@ def test_s3_down_pause_stays_local_and_is_uploaded_later(
     extra = {**s3.env, "AENV_REPOSITORY": s3.url("outage"), "AENV_NETWORK_LINGER": "1"}
     node = ServerProcess(home=test_root / "outage-node", extra_env=extra)
     with live_server(node):
-        sandbox_id = create(node)
+        sandbox_id = create_sandbox_id(node, timeout=600)
         sh(node, sandbox_id, "echo kept > /home/user/kept.txt")
         s3.stop()
         try:
@@ -198,7 +191,7 @@ def test_server_killed_mid_commit_leaves_the_previous_state(
     a = ServerProcess(home=test_root / "crash-a", extra_env=extra)
     b = ServerProcess(home=test_root / "crash-b", extra_env=extra)
     with live_server(a), live_server(b):
-        sandbox_id = create(a)
+        sandbox_id = create_sandbox_id(a, timeout=600)
         sh(a, sandbox_id, "echo one > /home/user/gen.txt")
         with a.client() as c:
             r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "crash-one"})
@@ -226,12 +219,12 @@ def test_server_killed_mid_commit_leaves_the_previous_state(
             names = [n for s in c.get("/snapshots").json() for n in s["names"]]
             assert "crash-one" in names
             assert "crash-two" not in names
-        child = create(b, "crash-one")
+        child = create_sandbox_id(b, "crash-one", timeout=600)
         assert sh(b, child, "cat /home/user/gen.txt") == "one"
         # The restarted server finishes the interrupted commit.
         a.start()
         wait_for(lambda: snapshot_visible(b, "crash-two"), 300, "the resumed commit")
-        child2 = create(b, "crash-two")
+        child2 = create_sandbox_id(b, "crash-two", timeout=600)
         assert sh(b, child2, "cat /home/user/gen.txt") == "two"
 
 

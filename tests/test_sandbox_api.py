@@ -10,17 +10,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
+from tests.helpers import (
+    ServerProcess,
+    create_sandbox,
+    create_sandbox_id,
+    live_server,
+    netns_names,
+    run_command,
+    vmm_pids,
+)
 
 pytestmark = pytest.mark.vm
-
-
-def create(c: httpx.Client, **body: object) -> dict[str, object]:
-    response = c.post("/sandboxes", json={"templateID": "base", **body})
-    assert response.status_code == 201, response.text
-    data = response.json()
-    assert isinstance(data, dict)
-    return data
 
 
 def wait_gone(c: httpx.Client, home: Path, sandbox_id: str, limit: float = 60.0) -> None:
@@ -102,7 +102,9 @@ def test_unknown_sandbox_through_proxy(server: ServerProcess) -> None:
 # -- running commands ----------------------------------------------------------------------
 def test_create_and_run_commands(server: ServerProcess) -> None:
     with server.client() as c:
-        sbx = create(c, timeout=120, metadata={"purpose": "test"}, envVars={"GREETING": "hej"})
+        sbx = create_sandbox(
+            c, timeout=120, metadata={"purpose": "test"}, envVars={"GREETING": "hej"}
+        )
         sandbox_id = str(sbx["sandboxID"])
         assert sbx["templateID"] == "base"
         assert sbx["envdVersion"]
@@ -141,7 +143,7 @@ def test_create_and_run_commands(server: ServerProcess) -> None:
 
 def test_clock_is_set_on_restore(server: ServerProcess) -> None:
     with server.client() as c:
-        sandbox_id = str(create(c, timeout=60)["sandboxID"])
+        sandbox_id = create_sandbox_id(c, timeout=60)
         try:
             guest_now = int(run_command(server.url, sandbox_id, "date +%s").stdout)
             assert abs(guest_now - time.time()) < 30
@@ -151,8 +153,8 @@ def test_clock_is_set_on_restore(server: ServerProcess) -> None:
 
 def test_sandboxes_are_isolated(server: ServerProcess) -> None:
     with server.client() as c:
-        a = str(create(c, timeout=120)["sandboxID"])
-        b = str(create(c, timeout=120)["sandboxID"])
+        a = create_sandbox_id(c, timeout=120)
+        b = create_sandbox_id(c, timeout=120)
         try:
             assert run_command(server.url, a, "echo secret-a > /tmp/mine; sync").exit_code == 0
             assert run_command(server.url, a, "cat /tmp/mine").stdout == "secret-a\n"
@@ -176,7 +178,7 @@ def test_sandboxes_are_isolated(server: ServerProcess) -> None:
 def test_kill_releases_everything(server: ServerProcess) -> None:
     with server.client() as c:
         before_ns = netns_names()
-        sandbox_id = str(create(c, timeout=120)["sandboxID"])
+        sandbox_id = create_sandbox_id(c, timeout=120)
         workdir = server.home / "sandboxes" / sandbox_id
         pids = vmm_pids(f"/sandboxes/{sandbox_id}/")
         new_ns = netns_names() - before_ns
@@ -209,14 +211,14 @@ def _is_zombie(pid: int) -> bool:
 
 def test_ttl_expiry_kills(server: ServerProcess) -> None:
     with server.client() as c:
-        sandbox_id = str(create(c, timeout=1)["sandboxID"])
+        sandbox_id = create_sandbox_id(c, timeout=1)
         wait_gone(c, server.home, sandbox_id)
         assert sandbox_id not in [s["sandboxID"] for s in c.get("/v2/sandboxes").json()]
 
 
 def test_set_timeout_shortens(server: ServerProcess) -> None:
     with server.client() as c:
-        sandbox_id = str(create(c, timeout=600)["sandboxID"])
+        sandbox_id = create_sandbox_id(c, timeout=600)
         end_before = c.get(f"/sandboxes/{sandbox_id}").json()["endAt"]
         assert c.post(f"/sandboxes/{sandbox_id}/timeout", json={"timeout": 1}).status_code == 204
         wait_gone(c, server.home, sandbox_id)
@@ -225,9 +227,7 @@ def test_set_timeout_shortens(server: ServerProcess) -> None:
 
 def test_list_paging(server: ServerProcess) -> None:
     with server.client() as c:
-        ids = [
-            str(create(c, timeout=120, metadata={"batch": "paging"})["sandboxID"]) for _ in range(3)
-        ]
+        ids = [create_sandbox_id(c, timeout=120, metadata={"batch": "paging"}) for _ in range(3)]
         try:
             seen: list[str] = []
             token = None
@@ -253,8 +253,8 @@ def test_restart_keeps_records_consistent(test_root: Path, guest_image: None) ->
     the rest."""
     with live_server(ServerProcess(home=test_root / "restart")) as srv:
         with srv.client() as c:
-            survivor = str(create(c, timeout=300)["sandboxID"])
-            victim = str(create(c, timeout=300)["sandboxID"])
+            survivor = create_sandbox_id(c, timeout=300)
+            victim = create_sandbox_id(c, timeout=300)
             assert run_command(srv.url, survivor, "echo 42 > /tmp/state").exit_code == 0
         victim_pids = vmm_pids(f"/sandboxes/{victim}/")
         srv.stop(signal.SIGKILL)

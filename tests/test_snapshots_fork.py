@@ -13,15 +13,16 @@ import pytest
 from agentenv.orchestrator.capture import MAX_DISK_CHAIN
 from agentenv.storage.images import backing_chain
 from tests.e2b.support import sdk_client, wait_until
-from tests.helpers import COUNTER, ServerProcess, netns_names, run_command, vmm_pids
+from tests.helpers import (
+    COUNTER,
+    ServerProcess,
+    create_sandbox_id,
+    netns_names,
+    run_command,
+    vmm_pids,
+)
 
 pytestmark = pytest.mark.vm
-
-
-def _create(c: httpx.Client, template: str = "base", **extra: object) -> str:
-    created = c.post("/sandboxes", json={"templateID": template, "timeout": 300, **extra})
-    assert created.status_code == 201, created.text
-    return str(created.json()["sandboxID"])
 
 
 def _out(server: ServerProcess, sandbox_id: str, command: str) -> str:
@@ -32,7 +33,7 @@ def _out(server: ServerProcess, sandbox_id: str, command: str) -> str:
 
 def test_snapshot_starts_sandboxes_and_parent_keeps_running(server: ServerProcess) -> None:
     with server.client() as c:
-        parent = _create(c, metadata={"role": "parent"})
+        parent = create_sandbox_id(c, metadata={"role": "parent"}, timeout=300)
         started: list[str] = [parent]
         try:
             _out(server, parent, "echo on-disk > /home/user/state; echo in-memory > /dev/shm/m")
@@ -55,7 +56,10 @@ def test_snapshot_starts_sandboxes_and_parent_keeps_running(server: ServerProces
             assert again.status_code == 409
 
             # By id or by name, wherever a template is accepted: three sandboxes.
-            children = [_create(c, key) for key in (snapshot_id, "snap-test", snapshot_id)]
+            children = [
+                create_sandbox_id(c, key, timeout=300)
+                for key in (snapshot_id, "snap-test", snapshot_id)
+            ]
             started += children
             for child in children:
                 assert _out(server, child, "cat /home/user/state /dev/shm/m") == (
@@ -91,7 +95,7 @@ def test_snapshot_starts_sandboxes_and_parent_keeps_running(server: ServerProces
 
 def test_snapshot_after_writing_1gib(server: ServerProcess) -> None:
     with server.client() as c:
-        parent = _create(c)
+        parent = create_sandbox_id(c, timeout=300)
         child = None
         try:
             result = run_command(
@@ -106,7 +110,7 @@ def test_snapshot_after_writing_1gib(server: ServerProcess) -> None:
             digest = result.stdout.strip()
             taken = c.post(f"/sandboxes/{parent}/snapshots", json={})
             assert taken.status_code == 201, taken.text
-            child = _create(c, taken.json()["snapshotID"])
+            child = create_sandbox_id(c, taken.json()["snapshotID"], timeout=300)
             size = _out(server, child, "stat -c %s /home/user/big").strip()
             assert size == str(1024 * 1024 * 1024)
             check = run_command(
@@ -122,7 +126,9 @@ def test_snapshot_after_writing_1gib(server: ServerProcess) -> None:
 
 def test_fork_16_children_share_state_not_writes(server: ServerProcess) -> None:
     with server.client() as c:
-        parent = _create(c, metadata={"run": "fork"}, envVars={"FROM_PARENT": "yes"})
+        parent = create_sandbox_id(
+            c, metadata={"run": "fork"}, envVars={"FROM_PARENT": "yes"}, timeout=300
+        )
         children: list[str] = []
         snapshot_dirs = set((server.home / "snapshots").iterdir())
         try:
@@ -181,7 +187,7 @@ def test_fork_16_children_share_state_not_writes(server: ServerProcess) -> None:
 def test_fork_rejects_bad_requests(server: ServerProcess) -> None:
     with server.client() as c:
         assert c.post("/sandboxes/nope/fork", json={"count": 1}).status_code == 404
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=300)
         try:
             for bad in ({"count": 0}, {"count": 21}, {"count": "x"}, {"timeout": -1}):
                 answer = c.post(f"/sandboxes/{sandbox_id}/fork", json=bad)
@@ -196,7 +202,7 @@ def test_fork_rejects_bad_requests(server: ServerProcess) -> None:
 
 def test_identical_requests_join_and_disconnects_do_not_abort(server: ServerProcess) -> None:
     with server.client() as c:
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=300)
         try:
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 pauses = list(
@@ -229,7 +235,7 @@ def test_identical_requests_join_and_disconnects_do_not_abort(server: ServerProc
 def test_concurrent_pause_kill_connect_end_consistent(server: ServerProcess) -> None:
     with server.client() as c:
         for _ in range(3):
-            sandbox_id = _create(c)
+            sandbox_id = create_sandbox_id(c, timeout=300)
             namespaces = netns_names()
             calls = [
                 ("post", f"/sandboxes/{sandbox_id}/pause"),
@@ -252,7 +258,7 @@ def test_concurrent_pause_kill_connect_end_consistent(server: ServerProcess) -> 
 
 def test_auto_resume_on_traffic(server: ServerProcess) -> None:
     with server.client() as c:
-        sandbox_id = _create(c, autoResume={"enabled": True}, autoPause=True)
+        sandbox_id = create_sandbox_id(c, autoResume={"enabled": True}, autoPause=True, timeout=300)
         try:
             assert c.get(f"/sandboxes/{sandbox_id}").json()["lifecycle"] == {
                 "autoResume": True,
@@ -265,7 +271,7 @@ def test_auto_resume_on_traffic(server: ServerProcess) -> None:
             assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
         finally:
             c.delete(f"/sandboxes/{sandbox_id}")
-        other = _create(c)
+        other = create_sandbox_id(c, timeout=300)
         try:
             assert c.post(f"/sandboxes/{other}/pause").status_code == 204
             refused = httpx.get(
@@ -309,7 +315,7 @@ def test_snapshot_chains_are_bounded(server: ServerProcess) -> None:
     """Each snapshot seals one more disk layer; past MAX_DISK_CHAIN layers the chain is
     flattened in the background, with the same contents."""
     with server.client() as c:
-        parent = _create(c)
+        parent = create_sandbox_id(c, timeout=300)
         started = [parent]
         snapshots: list[str] = []
         try:
@@ -327,7 +333,7 @@ def test_snapshot_chains_are_bounded(server: ServerProcess) -> None:
             wait_until(lambda: depth() <= 3, "the deep chain to be flattened")
             expected = "".join(f"{n}\n" for n in range(MAX_DISK_CHAIN + 1))
             for key in (snapshots[-1], snapshots[2]):
-                child = _create(c, key)
+                child = create_sandbox_id(c, key, timeout=300)
                 started.append(child)
                 layers = _out(server, child, "cat $(ls -v /home/user/layer-*)")
                 count = MAX_DISK_CHAIN + 1 if key == snapshots[-1] else 3
@@ -345,7 +351,7 @@ def test_failed_snapshot_and_pause_leave_the_sandbox_running(server: ServerProce
     disk cannot create the new top image after the VM was stopped) roll back: the VM
     runs on, nothing half-made is left, and the operations work once the cause is gone."""
     with server.client() as c:
-        sandbox_id = _create(c)
+        sandbox_id = create_sandbox_id(c, timeout=300)
         workdir = server.home / "sandboxes" / sandbox_id
         try:
             _out(server, sandbox_id, "echo kept > /home/user/f")
@@ -376,7 +382,7 @@ def test_fork_children_pause_snapshot_and_fork_again(server: ServerProcess) -> N
     RAM (and it comes back with a file of its own), and it can be snapshotted and forked
     like any sandbox."""
     with server.client() as c:
-        parent = _create(c)
+        parent = create_sandbox_id(c, timeout=300)
         made = [parent]
         snapshot_id = None
         try:
@@ -397,7 +403,7 @@ def test_fork_children_pause_snapshot_and_fork_again(server: ServerProcess) -> N
             snapshot_id = c.post(f"/sandboxes/{grandchild_id}/snapshots", json={}).json()[
                 "snapshotID"
             ]
-            from_snapshot = _create(c, snapshot_id)
+            from_snapshot = create_sandbox_id(c, snapshot_id, timeout=300)
             made.append(from_snapshot)
             assert _out(server, from_snapshot, "cat /home/user/gen /dev/shm/m") == "2\np\n"
         finally:
