@@ -502,7 +502,6 @@ async def start_node(
             template_boot_timeout=2.0,
         )
     )
-    config.validate()
     driver = driver or FakeDriver()
     network = network or FakeNetwork()
     envd = envd or FakeEnvd()

@@ -638,16 +638,11 @@ async def test_auto_resume_on_traffic(node: Node) -> None:
     assert (await orch.ready_for_traffic(auto.sandbox_id)).state == "running"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="capture.py: a VM that fails to resume after a complete capture raises the "
-    "driver's VMMError (not OperationFailed) and leaves the snapshot 'pending' until the "
-    "next restart, with the sandbox recorded running while its VM is paused",
-)
 async def test_failed_resume_after_capture_is_an_operation_failure(node: Node) -> None:
     orch = node.orchestrator
     view = await orch.create(FAKE_TEMPLATE)
     node.driver.fail_next("resume", VMMCommandError("vcpu stuck"))
     with pytest.raises(OperationFailed):
         await orch.snapshot(view.sandbox_id, "stuck")
-    assert [s.state for s in orch.store.list_snapshots()] in ([], ["ready"], ["deleted"])
+    # The capture completed but was reported failed: nothing keeps it.
+    assert [s.state for s in orch.store.list_snapshots()] in ([], ["deleted"])

@@ -246,6 +246,12 @@ class Capture:
             raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
         try:
             await vm.resume()
+        except VMMError as exc:
+            # The capture is complete but the caller is told it failed: it goes unused.
+            self.store.update_snapshot(snapshot_id, state="deleted")
+            raise OperationFailed(
+                f"snapshot of sandbox {rec.sandbox_id}: its VM did not resume: {exc}"
+            ) from exc
         finally:
             self.store.transition(rec.sandbox_id, state, SandboxState.RUNNING)
         phases.mark("resume")
