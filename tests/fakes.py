@@ -486,6 +486,7 @@ async def start_node(
     template: bool = True,
     in_memory_store: bool = False,
     configure: Callable[[Config], Config] = lambda c: c,
+    watch_handoffs: bool = True,
 ) -> Node:
     """An :class:`Orchestrator` started on data directory ``home`` with the
     ``file://`` repository ``repository`` (shared by nodes given the same one); with
@@ -513,7 +514,7 @@ async def start_node(
         store=Store(None) if in_memory_store else None,
         http=envd.client(),
     )
-    await orchestrator.startup(build_base=False)
+    await orchestrator.startup(build_base=False, watch_handoffs=watch_handoffs)
     if template and orchestrator.store.get_template(FAKE_TEMPLATE) is None:
         snapshot = make_fake_template(config.templates_dir / FAKE_TEMPLATE / "build-1")
         orchestrator.store.put_template(

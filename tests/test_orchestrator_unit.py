@@ -518,16 +518,16 @@ async def _two_nodes(tmp_path: Path) -> tuple[Node, Node]:
     """Two nodes sharing one repository. Their background handoff checks are off, so
     the tests decide when a node checks (:meth:`RepositorySync.check_handoffs`)."""
     repository = tmp_path / "repository"
-    a = await start_node(tmp_path / "a", repository, node_id="node-a")
-    b = await start_node(tmp_path / "b", repository, node_id="node-b", template=False)
-    for node in (a, b):
-        node.orchestrator._handoffs_checked = float("inf")
+    a = await start_node(tmp_path / "a", repository, node_id="node-a", watch_handoffs=False)
+    b = await start_node(
+        tmp_path / "b", repository, node_id="node-b", template=False, watch_handoffs=False
+    )
     return a, b
 
 
 async def _paused_and_committed(node: Node, sandbox_id: str) -> None:
     await node.orchestrator.pause(sandbox_id)
-    upload = node.orchestrator._supervisor.job("upload", sandbox_id)
+    upload = node.orchestrator.pending_upload(sandbox_id)
     if upload is not None:
         await asyncio.wait_for(upload, 30)
     assert node.orchestrator.pause_committed(record(node, sandbox_id))
@@ -546,7 +546,7 @@ async def test_handoff_to_another_node(tmp_path: Path) -> None:
         assert b.driver.calls[-1][0] == "restore"
         # A still has its copy until it checks who holds the sandbox.
         assert a.orchestrator.get(sandbox_id).state == "paused"
-        await a.orchestrator._sync.check_handoffs()
+        await a.orchestrator.check_handoffs()
         with pytest.raises(SandboxNotFound):
             a.orchestrator.get(sandbox_id)
         assert not view.record.workdir.exists()
@@ -555,7 +555,7 @@ async def test_handoff_to_another_node(tmp_path: Path) -> None:
         await _paused_and_committed(b, sandbox_id)
         back = await a.orchestrator.adopt(sandbox_id)
         assert back.state == "running"
-        await b.orchestrator._sync.check_handoffs()
+        await b.orchestrator.check_handoffs()
         with pytest.raises(SandboxNotFound):
             b.orchestrator.get(sandbox_id)
     finally:

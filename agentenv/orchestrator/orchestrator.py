@@ -33,8 +33,6 @@ import contextlib
 import logging
 import secrets
 import string
-import time
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -64,7 +62,7 @@ from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, Store, utcn
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
-from agentenv.orchestrator.views import SandboxView, SnapshotView
+from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.clone import supports_reflink
 from agentenv.vmm.base import VMMDriver
@@ -103,31 +101,6 @@ def new_sandbox_id() -> str:
 
 def new_snapshot_id() -> str:
     return "snap-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(16))
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """What a node reports of itself: to ``/health`` and to a scheduler's heartbeats."""
-
-    node: str
-    vmm: str
-    accel: str
-    # "shared": sandboxes' RAM is a file of their own; "private": a copy-on-write mapping.
-    memory_mode: str
-    sandboxes_by_state: dict[str, int]
-    # Of sandboxes holding a VM or about to (not paused ones).
-    allocated_vcpus: int
-    allocated_memory_mib: int
-    cache_used_bytes: int
-    cache_limit_bytes: int
-    cache_entries: int
-    repository: str
-    # Sandboxes callers see (running or paused, including those changing between them).
-    sandboxes: int
-    # Built templates: "ready"; the built-in base also "building", "pending" or "failed".
-    templates: dict[str, str]
-    # Why the node is degraded (the base template failed to build), if it is.
-    problem: str | None
 
 
 class Orchestrator:
@@ -226,7 +199,6 @@ class Orchestrator:
             self._lifecycle,
             self._pins,
         )
-        self._handoffs_checked = 0.0
         self._started = False
 
     @property
@@ -235,7 +207,11 @@ class Orchestrator:
         return self._lifecycle.own_memory_files
 
     # -- lifecycle -----------------------------------------------------------------------
-    async def startup(self, *, build_base: bool = True) -> None:
+    async def startup(self, *, build_base: bool = True, watch_handoffs: bool = True) -> None:
+        """Open the store, settle what a previous run left, resume unfinished commits and
+        uploads, and start the background loops: the reaper, the RAM flush and (unless
+        ``watch_handoffs`` is off: tests call :meth:`check_handoffs` themselves) the
+        check for paused sandboxes other nodes took over."""
         for d in (
             self.config.home,
             self.config.templates_dir,
@@ -261,7 +237,9 @@ class Orchestrator:
         self.templates.cleanup_staging()
         await self._recovery.run()
         self._sync.resume_unfinished()
-        self._supervisor.every("reaper", REAP_INTERVAL_S, self._reap_tick)
+        self._supervisor.every("reaper", REAP_INTERVAL_S, self._reap)
+        if watch_handoffs:
+            self._supervisor.every("handoffs", HANDOFF_CHECK_INTERVAL_S, self.check_handoffs)
         self._supervisor.every(
             "ram-flush", RAM_FLUSH_INTERVAL_S, self._machines.flush_shared_memory
         )
@@ -644,11 +622,17 @@ class Orchestrator:
                 await self.kill(rec.sandbox_id)
         return [r.sandbox_id for r in expired]
 
-    async def _reap_tick(self) -> None:
+    async def _reap(self) -> None:
         await self.reap_expired()
-        if time.monotonic() - self._handoffs_checked >= HANDOFF_CHECK_INTERVAL_S:
-            self._handoffs_checked = time.monotonic()
-            await self._sync.check_handoffs()
+
+    # -- other nodes -----------------------------------------------------------------------
+    async def check_handoffs(self) -> None:
+        """Drop paused sandboxes that another node has resumed since."""
+        await self._sync.check_handoffs()
+
+    def pending_upload(self, sandbox_id: str) -> asyncio.Task[None] | None:
+        """The paused sandbox's upload to the repository, while it runs."""
+        return self._supervisor.job("upload", sandbox_id)
 
 
 def _log_event(event: SandboxEvent) -> None:

@@ -1,5 +1,6 @@
-"""What callers (the API, the proxy, template builds) see of sandboxes and snapshots:
-read-only views over store records, in the states the E2B API knows."""
+"""What callers (the API, the proxy, template builds, a scheduler) see of sandboxes,
+snapshots and the node: read-only views over store records, in the states the E2B API
+knows."""
 
 from __future__ import annotations
 
@@ -59,3 +60,28 @@ class SnapshotView:
                 created_at=entry.created_at,
             )
         )
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What a node reports of itself: to ``/health`` and to a scheduler's heartbeats."""
+
+    node: str
+    vmm: str
+    accel: str
+    # "shared": sandboxes' RAM is a file of their own; "private": a copy-on-write mapping.
+    memory_mode: str
+    sandboxes_by_state: dict[str, int]
+    # Of sandboxes holding a VM or about to (not paused ones).
+    allocated_vcpus: int
+    allocated_memory_mib: int
+    cache_used_bytes: int
+    cache_limit_bytes: int
+    cache_entries: int
+    repository: str
+    # Sandboxes callers see (running or paused, including those changing between them).
+    sandboxes: int
+    # Built templates: "ready"; the built-in base also "building", "pending" or "failed".
+    templates: dict[str, str]
+    # Why the node is degraded (the base template failed to build), if it is.
+    problem: str | None
