@@ -146,7 +146,7 @@ def cleanup_host(home: Path) -> None:
     ``home`` may have left (VMMs outlive their server by design)."""
     from agentenv.config import Config
     from agentenv.network import NetworkManager
-    from agentenv.orchestrator.orchestrator import resolve_subnet
+    from agentenv.orchestrator.resources import resolve_subnet
 
     kill_vmms(str(home))
     config = Config.load(env={}, home=home)

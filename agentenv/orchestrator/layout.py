@@ -26,6 +26,7 @@ import json
 import os
 import secrets
 import shutil
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -43,6 +44,17 @@ FROZEN_COMPLETE = "complete"
 GENERATION_FILE = "generation"
 COMMITTED_MARKER = "committed"
 SNAPSHOT_DISK = "disk.qcow2"
+
+
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
+
+
+def new_snapshot_id() -> str:
+    return "snap-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(16))
 
 
 def write_atomically(path: Path, text: str) -> None:

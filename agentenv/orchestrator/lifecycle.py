@@ -6,6 +6,11 @@ Every method here runs under the sandbox's operation lock, which the facade
 machine (:mod:`.states`) with :meth:`Store.transition`, writes its record before its
 files, and rolls back on failure: a failed pause leaves the sandbox running, a failed
 resume leaves it paused, a failed create leaves nothing.
+
+Memory: on a node whose data directory can reflink (XFS, btrfs), a sandbox's RAM is a file
+of its own (``memory.raw``, a clone of the template's, mapped shared): pausing it writes
+device state only and resuming maps the same file again. Otherwise, and for fork children,
+RAM is a private copy-on-write mapping of the source's image, and pausing streams RAM.
 """
 
 from __future__ import annotations

@@ -19,11 +19,6 @@ Operations on one sandbox run one after another; an identical request arriving w
 is queued or running joins it (two ``pause`` calls get one pause). Operations run as tasks
 of their own, so a client that disconnects never aborts one half-way. States and their
 transitions are :mod:`.states`; docs/architecture.md has the whole picture.
-
-Memory: on a node whose data directory can reflink (XFS, btrfs), a sandbox's RAM is a file
-of its own (``memory.raw``, a clone of the template's, mapped shared): pausing it writes
-device state only and resuming maps the same file again. Otherwise, and for fork children,
-RAM is a private copy-on-write mapping of the source's image, and pausing streams RAM.
 """
 
 from __future__ import annotations
@@ -31,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
-import string
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -40,7 +33,7 @@ import httpx
 
 from agentenv.config import Config
 from agentenv.limits import MAX_FORK_CHILDREN
-from agentenv.network import NetworkManager, pick_free_subnet
+from agentenv.network import NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Capture, Resharing
 from agentenv.orchestrator.catalog import Catalog
@@ -51,11 +44,12 @@ from agentenv.orchestrator.errors import (
     OperationFailed,
     SandboxNotFound,
 )
+from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
 from agentenv.orchestrator.machines import Machines
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
-from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
+from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import PUBLIC_STATE, VISIBLE_STATES, SandboxState
 from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, Store, utcnow
@@ -69,7 +63,6 @@ from agentenv.vmm.base import VMMDriver
 
 log = logging.getLogger("agentenv.orchestrator")
 
-_ID_ALPHABET = string.ascii_lowercase + string.digits
 AUTO_PAUSE_RETRY_S = 60
 # How often running sandboxes' RAM files are written back. A snapshot or fork must write
 # back what is dirty while the guest is stopped (or just before); doing it regularly in
@@ -79,28 +72,6 @@ HANDOFF_CHECK_INTERVAL_S = 5.0
 REAP_INTERVAL_S = 0.5
 
 __all__ = ["NodeStatus", "Orchestrator", "SandboxView", "SnapshotView", "resolve_subnet"]
-
-
-def resolve_subnet(config: Config) -> str:
-    """The host-side veth range: configured, else the one this data directory chose at
-    its first start, else a block no address or route on this host uses yet (recorded,
-    so re-adopted sandboxes keep their addresses)."""
-    if config.net_subnet:
-        return config.net_subnet
-    if config.subnet_path.exists():
-        return config.subnet_path.read_text().strip()
-    subnet = pick_free_subnet(int(config.instance_tag, 16))
-    config.home.mkdir(parents=True, exist_ok=True)
-    config.subnet_path.write_text(subnet + "\n")
-    return subnet
-
-
-def new_sandbox_id() -> str:
-    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(19))
-
-
-def new_snapshot_id() -> str:
-    return "snap-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(16))
 
 
 class Orchestrator:

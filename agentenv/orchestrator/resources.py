@@ -14,7 +14,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from agentenv.network import NetworkManager, SandboxNetwork
+from agentenv.config import Config
+from agentenv.network import NetworkManager, SandboxNetwork, pick_free_subnet
 from agentenv.orchestrator.errors import CapacityExhausted
 from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.operations import SandboxOperations
@@ -168,3 +169,17 @@ class FilePins:
         if removed:
             log.info("removed unused snapshots %s", ", ".join(removed))
         return removed
+
+
+def resolve_subnet(config: Config) -> str:
+    """The host-side veth range: configured, else the one this data directory chose at
+    its first start, else a block no address or route on this host uses yet (recorded,
+    so re-adopted sandboxes keep their addresses)."""
+    if config.net_subnet:
+        return config.net_subnet
+    if config.subnet_path.exists():
+        return config.subnet_path.read_text().strip()
+    subnet = pick_free_subnet(int(config.instance_tag, 16))
+    config.home.mkdir(parents=True, exist_ok=True)
+    config.subnet_path.write_text(subnet + "\n")
+    return subnet
