@@ -30,9 +30,7 @@ from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
 from agentenv.snapshots.layout import MachineSnapshot, write_manifest
 from agentenv.storage.images import create_overlay
 from agentenv.vmm.base import (
-    DriveSpec,
     MachineSpec,
-    NetSpec,
     SnapshotFiles,
     VirtualMachine,
     VMMCommandError,
@@ -54,45 +52,6 @@ _pids = itertools.count(40000)
 
 
 # -- the VMM driver --------------------------------------------------------------------------
-def _spec_to_json(spec: MachineSpec) -> dict[str, Any]:
-    return {
-        "vcpus": spec.vcpus,
-        "memory_mib": spec.memory_mib,
-        "kernel": str(spec.kernel),
-        "initrd": str(spec.initrd) if spec.initrd else None,
-        "cmdline": spec.cmdline,
-        "drives": [
-            {"drive_id": d.drive_id, "path": str(d.path), "read_only": d.read_only, "fmt": d.fmt}
-            for d in spec.drives
-        ],
-        "memory_file": str(spec.memory_file),
-        "memory_shared": spec.memory_shared,
-        "accel": spec.accel,
-        "net": None
-        if spec.net is None
-        else {"tap": spec.net.tap, "mac": spec.net.mac, "netns": spec.net.netns},
-    }
-
-
-def _spec_from_json(data: dict[str, Any]) -> MachineSpec:
-    net = data["net"]
-    return MachineSpec(
-        vcpus=data["vcpus"],
-        memory_mib=data["memory_mib"],
-        kernel=Path(data["kernel"]),
-        initrd=Path(data["initrd"]) if data["initrd"] else None,
-        cmdline=data["cmdline"],
-        drives=tuple(
-            DriveSpec(d["drive_id"], Path(d["path"]), d["read_only"], d["fmt"])
-            for d in data["drives"]
-        ),
-        memory_file=Path(data["memory_file"]),
-        memory_shared=data["memory_shared"],
-        accel=data["accel"],
-        net=None if net is None else NetSpec(net["tap"], net["mac"], net["netns"]),
-    )
-
-
 class FakeVM(VirtualMachine):
     """A handle on a fake VMM. Its record file in ``workdir`` is the "process": every
     handle (the one ``restore`` returned, those ``attach`` returns later) reads and
@@ -188,7 +147,7 @@ class FakeVM(VirtualMachine):
             replace(d, path=new_top) if d.drive_id == drive_id else d for d in self.spec.drives
         )
         self.spec = replace(self.spec, drives=drives)
-        self._set(spec=_spec_to_json(self.spec))
+        self._set(spec=self.spec.to_dict())
 
     async def stop(self, timeout: float = 5.0) -> None:
         await self.kill()
@@ -258,7 +217,7 @@ class FakeDriver(VMMDriver):
                 "pid": pid,
                 "alive": True,
                 "state": VMRunState.RUNNING.value,
-                "spec": _spec_to_json(spec),
+                "spec": spec.to_dict(),
                 "restored_from": str(restored_from) if restored_from else None,
             },
         )
@@ -298,7 +257,7 @@ class FakeDriver(VMMDriver):
             raise VMMGone(f"no fake VMM in {workdir}") from exc
         if not data.get("alive"):
             raise VMMGone(f"the fake VMM in {workdir} has exited")
-        return FakeVM(self, workdir, _spec_from_json(data["spec"]), int(data["pid"]))
+        return FakeVM(self, workdir, MachineSpec.from_dict(data["spec"]), int(data["pid"]))
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

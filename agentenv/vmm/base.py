@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -86,6 +87,58 @@ class MachineSpec:
     accel: Literal["tcg", "kvm"]
     initrd: Path | None = None
     net: NetSpec | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as JSON-ready values: a VMM's record of what it runs, read back by
+        :meth:`from_dict` when a restarted server re-attaches to it."""
+        return {
+            "vcpus": self.vcpus,
+            "memory_mib": self.memory_mib,
+            "kernel": str(self.kernel),
+            "cmdline": self.cmdline,
+            "drives": [
+                {
+                    "drive_id": d.drive_id,
+                    "path": str(d.path),
+                    "read_only": d.read_only,
+                    "fmt": d.fmt,
+                }
+                for d in self.drives
+            ],
+            "memory_file": str(self.memory_file),
+            "memory_shared": self.memory_shared,
+            "accel": self.accel,
+            "initrd": str(self.initrd) if self.initrd else None,
+            "net": (
+                {"tap": self.net.tap, "mac": self.net.mac, "netns": self.net.netns}
+                if self.net
+                else None
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MachineSpec:
+        net = data.get("net")
+        return cls(
+            vcpus=data["vcpus"],
+            memory_mib=data["memory_mib"],
+            kernel=Path(data["kernel"]),
+            cmdline=data["cmdline"],
+            drives=tuple(
+                DriveSpec(
+                    drive_id=d["drive_id"],
+                    path=Path(d["path"]),
+                    read_only=d["read_only"],
+                    fmt=d["fmt"],
+                )
+                for d in data["drives"]
+            ),
+            memory_file=Path(data["memory_file"]),
+            memory_shared=data["memory_shared"],
+            accel=data["accel"],
+            initrd=Path(data["initrd"]) if data.get("initrd") else None,
+            net=NetSpec(tap=net["tap"], mac=net["mac"], netns=net.get("netns")) if net else None,
+        )
 
     def shape(self) -> dict[str, Any]:
         """The parts of the spec a snapshot's device state depends on."""

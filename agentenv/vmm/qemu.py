@@ -34,7 +34,6 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 from agentenv.vmm.base import (
     DriveSpec,
     MachineSpec,
-    NetSpec,
     SnapshotFiles,
     SnapshotIncompatible,
     VirtualMachine,
@@ -147,49 +146,6 @@ def _prepare_workdir(spec: MachineSpec, workdir: Path) -> None:
     for path in (qmp_socket_path(workdir), workdir / PID_FILE, workdir / VM_RECORD):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-
-
-def _spec_to_dict(spec: MachineSpec) -> dict[str, Any]:
-    return {
-        "vcpus": spec.vcpus,
-        "memory_mib": spec.memory_mib,
-        "kernel": str(spec.kernel),
-        "cmdline": spec.cmdline,
-        "drives": [
-            {"drive_id": d.drive_id, "path": str(d.path), "read_only": d.read_only, "fmt": d.fmt}
-            for d in spec.drives
-        ],
-        "memory_file": str(spec.memory_file),
-        "memory_shared": spec.memory_shared,
-        "accel": spec.accel,
-        "initrd": str(spec.initrd) if spec.initrd else None,
-        "net": (
-            {"tap": spec.net.tap, "mac": spec.net.mac, "netns": spec.net.netns}
-            if spec.net
-            else None
-        ),
-    }
-
-
-def _spec_from_dict(data: Mapping[str, Any]) -> MachineSpec:
-    net = data.get("net")
-    return MachineSpec(
-        vcpus=data["vcpus"],
-        memory_mib=data["memory_mib"],
-        kernel=Path(data["kernel"]),
-        cmdline=data["cmdline"],
-        drives=tuple(
-            DriveSpec(
-                drive_id=d["drive_id"], path=Path(d["path"]), read_only=d["read_only"], fmt=d["fmt"]
-            )
-            for d in data["drives"]
-        ),
-        memory_file=Path(data["memory_file"]),
-        memory_shared=data["memory_shared"],
-        accel=data["accel"],
-        initrd=Path(data["initrd"]) if data.get("initrd") else None,
-        net=NetSpec(tap=net["tap"], mac=net["mac"], netns=net.get("netns")) if net else None,
-    )
 
 
 @dataclass(frozen=True)
@@ -427,7 +383,7 @@ def _update_record_spec(workdir: Path, spec: MachineSpec) -> None:
     later restores; the process and its argv are unchanged."""
     path = workdir / VM_RECORD
     record = json.loads(path.read_text())
-    record["spec"] = _spec_to_dict(spec)
+    record["spec"] = spec.to_dict()
     tmp = workdir / f".{VM_RECORD}.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, path)
@@ -658,7 +614,7 @@ class QemuDriver(VMMDriver):
             record = json.loads((workdir / VM_RECORD).read_text())
             pid = int(record["pid"])
             argv = list(record["argv"])
-            spec = _spec_from_dict(record["spec"])
+            spec = MachineSpec.from_dict(record["spec"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise VMMGone(f"no usable {VM_RECORD} in {workdir}: {exc}") from exc
         if read_cmdline(pid) != argv:
@@ -733,7 +689,7 @@ class QemuDriver(VMMDriver):
             "pid": pid,
             "argv": argv,
             "qmp_socket": str(qmp_socket_path(workdir)),
-            "spec": _spec_to_dict(spec),
+            "spec": spec.to_dict(),
         }
         tmp = workdir / f".{VM_RECORD}.tmp"
         tmp.write_text(json.dumps(record, indent=2))
