@@ -310,6 +310,10 @@ class Capture:
             log.info("snapshot %s: disk chain of %d flattened to 2", directory.name, len(qcow2))
             self.pins.collect_snapshots()
         except Exception as exc:
+            if not directory.exists():
+                # Deleted (and collected) meanwhile: nothing is left to flatten.
+                log.info("snapshot %s was deleted while being flattened", directory.name)
+                return
             # The deep chain still works; the next snapshot tries again.
             log.warning("flattening the disk of snapshot %s failed: %s", directory.name, exc)
         finally:
