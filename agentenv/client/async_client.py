@@ -172,23 +172,18 @@ class AsyncAgentEnv:
         query = wire.sandbox_query(state, metadata, limit, next_token)
         return wire.sandbox_page(await self._request("GET", "/v2/sandboxes", params=query))
 
-    async def iter_sandboxes(
+    def iter_sandboxes(
         self,
         *,
         state: str | None = None,
         metadata: Mapping[str, str] | None = None,
         page_size: int = MAX_PAGE_SIZE,
     ) -> AsyncIterator[SandboxDetail]:
-        token: str | None = None
-        while True:
-            page = await self.list_sandboxes_page(
+        return wire.walk_pages_async(
+            lambda token: self.list_sandboxes_page(
                 state=state, metadata=metadata, limit=page_size, next_token=token
             )
-            for item in page.items:
-                yield item
-            if page.next_token is None:
-                return
-            token = page.next_token
+        )
 
     async def list_sandboxes(
         self, *, state: str | None = None, metadata: Mapping[str, str] | None = None
@@ -238,19 +233,14 @@ class AsyncAgentEnv:
         query = wire.snapshot_query(sandbox_id, name, limit, next_token)
         return wire.snapshot_page(await self._request("GET", "/snapshots", params=query))
 
-    async def iter_snapshots(
+    def iter_snapshots(
         self, *, sandbox: SandboxRef | None = None, name: str | None = None, page_size: int = 100
     ) -> AsyncIterator[SnapshotInfo]:
-        token: str | None = None
-        while True:
-            page = await self.list_snapshots(
+        return wire.walk_pages_async(
+            lambda token: self.list_snapshots(
                 sandbox=sandbox, name=name, limit=page_size, next_token=token
             )
-            for item in page.items:
-                yield item
-            if page.next_token is None:
-                return
-            token = page.next_token
+        )
 
     async def get_snapshot(self, snapshot: str | SnapshotInfo) -> SnapshotInfo:
         path = f"/snapshots/{path_part(snapshot_id_of(snapshot))}"

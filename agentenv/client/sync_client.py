@@ -201,15 +201,11 @@ class AgentEnv:
         page_size: int = MAX_PAGE_SIZE,
     ) -> Iterator[SandboxDetail]:
         """Every matching sandbox, fetching pages of ``page_size`` as it goes."""
-        token: str | None = None
-        while True:
-            page = self.list_sandboxes_page(
+        return wire.walk_pages(
+            lambda token: self.list_sandboxes_page(
                 state=state, metadata=metadata, limit=page_size, next_token=token
             )
-            yield from page.items
-            if page.next_token is None:
-                return
-            token = page.next_token
+        )
 
     def list_sandboxes(
         self, *, state: str | None = None, metadata: Mapping[str, str] | None = None
@@ -274,15 +270,11 @@ class AgentEnv:
         self, *, sandbox: SandboxRef | None = None, name: str | None = None, page_size: int = 100
     ) -> Iterator[SnapshotInfo]:
         """Every matching snapshot, fetching pages of ``page_size`` as it goes."""
-        token: str | None = None
-        while True:
-            page = self.list_snapshots(
+        return wire.walk_pages(
+            lambda token: self.list_snapshots(
                 sandbox=sandbox, name=name, limit=page_size, next_token=token
             )
-            yield from page.items
-            if page.next_token is None:
-                return
-            token = page.next_token
+        )
 
     def get_snapshot(self, snapshot: str | SnapshotInfo) -> SnapshotInfo:
         path = f"/snapshots/{path_part(snapshot_id_of(snapshot))}"

@@ -4,9 +4,9 @@ so the two differ only in how they wait for I/O."""
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
@@ -38,6 +38,43 @@ SNAPSHOTS = TypeAdapter(list[SnapshotInfo])
 TEMPLATES = TypeAdapter(list[TemplateInfo])
 
 ModelT = TypeVar("ModelT")
+ItemT = TypeVar("ItemT")
+ItemT_co = TypeVar("ItemT_co", covariant=True)
+
+
+class Paged(Protocol[ItemT_co]):
+    """A page of a listing: its items and the token of the next page (None: the last)."""
+
+    @property
+    def items(self) -> Sequence[ItemT_co]: ...
+
+    @property
+    def next_token(self) -> str | None: ...
+
+
+def walk_pages(fetch: Callable[[str | None], Paged[ItemT]]) -> Iterator[ItemT]:
+    """Every item of a listing, fetching each page (``fetch(next_token)``) as it goes."""
+    token: str | None = None
+    while True:
+        page = fetch(token)
+        yield from page.items
+        if page.next_token is None:
+            return
+        token = page.next_token
+
+
+async def walk_pages_async(
+    fetch: Callable[[str | None], Awaitable[Paged[ItemT]]],
+) -> AsyncIterator[ItemT]:
+    """:func:`walk_pages` for the async client."""
+    token: str | None = None
+    while True:
+        page = await fetch(token)
+        for item in page.items:
+            yield item
+        if page.next_token is None:
+            return
+        token = page.next_token
 
 
 @dataclass(frozen=True)
