@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from agentenv.orchestrator.errors import Conflict, OperationFailed
-from agentenv.orchestrator.layout import MEMORY_FILE, SandboxDir, SnapshotDir
+from agentenv.orchestrator.layout import SandboxDir, SnapshotDir
 from agentenv.orchestrator.machines import Machines
 from agentenv.orchestrator.resources import FilePins
 from agentenv.orchestrator.sources import Sources
@@ -229,7 +229,7 @@ class Capture:
             old_top.unlink(missing_ok=True)
             phases.mark("seal")
             if files.memory_file is not None:
-                memory = directory / MEMORY_FILE
+                memory = snap_dir.memory_file
                 await clone_file(files.memory_file, memory, mode=0o400)
                 files = replace(files, memory_file=memory)
                 phases.mark("memory")

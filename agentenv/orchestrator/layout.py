@@ -107,6 +107,16 @@ class SandboxDir:
     def frozen(self) -> Path:
         return self.paused / FROZEN_DIR
 
+    @property
+    def frozen_disk(self) -> Path:
+        """The copy of the paused sandbox's disk top that its upload reads."""
+        return self.frozen / SNAPSHOT_DISK
+
+    @property
+    def frozen_memory(self) -> Path:
+        """The copy of the paused sandbox's RAM file that its upload reads."""
+        return self.frozen / MEMORY_FILE
+
     def saved(self) -> bool:
         """A pause's save is complete: full (a machine manifest) or filesystem-only."""
         return self.paused_manifest.exists() or (self.paused / DISK_ONLY_MARKER).exists()

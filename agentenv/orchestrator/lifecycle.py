@@ -335,10 +335,11 @@ class Lifecycle:
         directory = SandboxDir(rec.workdir)
         await self.sync.stop_upload(sandbox_id)
         await self.resharing.stop(sandbox_id)
-        if self.sync.pause_committed(rec):
+        upload = directory.upload_state()
+        if upload is not None and upload.committed:
             # Committed: another node may have resumed it. Whoever claims this
             # generation first holds it.
-            holder = await self.sync.claim_for_resume(rec)
+            holder = await self.sync.claim_for_resume(sandbox_id, upload.generation)
             if holder is not None:
                 self.leases.forget(rec)
                 await self.machines.discard(rec)

@@ -65,9 +65,6 @@ class Machines:
             raise GuestUnavailable(f"sandbox {rec.sandbox_id} has no VMM attached")
         return vm
 
-    def count(self) -> int:
-        return len(self._vms)
-
     async def close_all(self) -> None:
         """Let go of every VMM (they keep running, to be re-adopted)."""
         for vm in self._vms.values():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -52,7 +53,7 @@ from agentenv.orchestrator.recovery import Recovery
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import PUBLIC_STATE, VISIBLE_STATES, SandboxState
-from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, Store, utcnow
+from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRecord, Store, utcnow
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
@@ -270,9 +271,10 @@ class Orchestrator:
         return self._sync.pause_committed(rec)
 
     def node_status(self) -> NodeStatus:
-        counts = self.store.count_by_state()
+        counts: Counter[SandboxState] = Counter()
         vcpus = memory = 0
         for rec in self.store.list_sandboxes():
+            counts[rec.state] += 1
             if rec.state not in (SandboxState.PAUSED, SandboxState.KILLING):
                 vcpus += rec.vcpus
                 memory += rec.memory_mib
@@ -501,16 +503,13 @@ class Orchestrator:
             raise InvalidRequest(f"count must be between 1 and {MAX_FORK_CHILDREN}")
         chosen = self.timeouts.pick(timeout)
 
-        async def capture() -> tuple[SandboxRecord, str]:
+        async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
             rec = self._lifecycle.existing(sandbox_id)
-            image = await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
-            return rec, image.snapshot_id
+            return rec, await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
 
-        parent, image_id = await self._operations.run(sandbox_id, "fork", capture, join=False)
-        image = self.store.get_snapshot(image_id)
+        parent, image = await self._operations.run(sandbox_id, "fork", capture, join=False)
+        image_id = image.snapshot_id
         try:
-            if image is None:
-                raise SnapshotError("its image vanished")
             snapshot = MachineSnapshot.load(image.snapshot_dir)
         except SnapshotError as exc:
             raise OperationFailed(f"fork of {sandbox_id}: {exc}") from exc

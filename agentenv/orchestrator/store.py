@@ -297,14 +297,11 @@ class Store:
         return cursor.rowcount == 1
 
     def delete_sandbox(self, sandbox_id: str) -> None:
-        current = self.get_sandbox(sandbox_id)
-        self.db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
-        if current is not None:
-            self._emit(sandbox_id, current.state, None)
-
-    def count_by_state(self) -> dict[SandboxState, int]:
-        rows = self.db.execute("SELECT state, COUNT(*) FROM sandboxes GROUP BY state")
-        return {SandboxState(r[0]): int(r[1]) for r in rows}
+        row = self.db.execute(
+            "DELETE FROM sandboxes WHERE sandbox_id = ? RETURNING state", (sandbox_id,)
+        ).fetchone()
+        if row is not None:
+            self._emit(sandbox_id, SandboxState(row[0]), None)
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         row = self.db.execute(

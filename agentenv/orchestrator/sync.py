@@ -27,7 +27,6 @@ from agentenv.orchestrator.errors import (
     SnapshotNotFound,
 )
 from agentenv.orchestrator.layout import (
-    MEMORY_FILE,
     SandboxDir,
     SnapshotDir,
     UploadState,
@@ -257,15 +256,14 @@ class RepositorySync:
             if rec is None or rec.state != SandboxState.PAUSED or rec.disk_path is None:
                 return False
             directory = SandboxDir(rec.workdir)
-            dest = directory.frozen
             if directory.frozen_complete():
                 return True
             files = SnapshotFiles.from_json(directory.paused_manifest.read_text())
-            shutil.rmtree(dest, ignore_errors=True)
-            dest.mkdir()
-            await clone_file(rec.disk_path, dest / "disk.qcow2", mode=0o400)
+            shutil.rmtree(directory.frozen, ignore_errors=True)
+            directory.frozen.mkdir()
+            await clone_file(rec.disk_path, directory.frozen_disk, mode=0o400)
             if files.memory_file is not None:
-                await clone_file(files.memory_file, dest / MEMORY_FILE, mode=0o400)
+                await clone_file(files.memory_file, directory.frozen_memory, mode=0o400)
             directory.mark_frozen_complete()
             return True
 
@@ -282,13 +280,12 @@ class RepositorySync:
             return
         generation = upload.generation
         files = SnapshotFiles.from_json(directory.paused_manifest.read_text())
-        frozen = directory.frozen
         source = replace(self.sources.of_sandbox(rec), files=files)
         published = await self.catalog.publish(
             source,
             state_file=files.state_file,
-            memory_file=frozen / MEMORY_FILE if files.memory_file is not None else None,
-            disk=frozen / "disk.qcow2",
+            memory_file=directory.frozen_memory if files.memory_file is not None else None,
+            disk=directory.frozen_disk,
         )
         holder = await self.catalog.holder(sandbox_id, generation)
         if holder not in (None, self.catalog.node):
@@ -316,7 +313,7 @@ class RepositorySync:
         )
         await self.catalog.put_paused(entry)
         directory.set_upload_state(UploadState("committed", generation))
-        shutil.rmtree(frozen, ignore_errors=True)
+        shutil.rmtree(directory.frozen, ignore_errors=True)
         log.info(
             "paused sandbox %s (generation %d) committed to %s in %.0f ms",
             sandbox_id,
@@ -325,15 +322,13 @@ class RepositorySync:
             (time.perf_counter() - started) * 1000,
         )
 
-    async def claim_for_resume(self, rec: SandboxRecord) -> str | None:
-        """Before a committed paused sandbox resumes here: claim its generation, since
-        another node may have resumed it. None if this node holds it, else who does."""
-        upload = SandboxDir(rec.workdir).upload_state()
-        if upload is None or not upload.committed:
+    async def claim_for_resume(self, sandbox_id: str, generation: int) -> str | None:
+        """Before generation ``generation`` of a committed paused sandbox resumes here:
+        claim it, since another node may have resumed it. None if this node holds it,
+        else who does."""
+        if await self.catalog.claim(sandbox_id, generation):
             return None
-        if await self.catalog.claim(rec.sandbox_id, upload.generation):
-            return None
-        return await self.catalog.holder(rec.sandbox_id, upload.generation) or "unknown"
+        return await self.catalog.holder(sandbox_id, generation) or "unknown"
 
     async def forget(self, rec: SandboxRecord) -> None:
         """A killed sandbox that was ever committed paused must not be resumable from
