@@ -87,11 +87,7 @@ class StateChanged(Conflict):
     operation moved it, or it is gone: ``actual`` None)."""
 
     def __init__(
-        self,
-        sandbox_id: str,
-        expected: frozenset[SandboxState],
-        actual: SandboxState | None,
+        self, sandbox_id: str, expected: SandboxState, actual: SandboxState | None
     ) -> None:
-        wanted = " or ".join(sorted(expected))
-        super().__init__(f"sandbox {sandbox_id} is {actual or 'gone'}, not {wanted}")
+        super().__init__(f"sandbox {sandbox_id} is {actual or 'gone'}, not {expected}")
         self.sandbox_id, self.expected, self.actual = sandbox_id, expected, actual

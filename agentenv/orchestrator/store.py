@@ -269,9 +269,7 @@ class Store:
             raise IllegalTransition(sandbox_id, expected, new)
         if not self._update(sandbox_id, {**changes, "state": new.value}, expected):
             current = self.get_sandbox(sandbox_id)
-            raise StateChanged(
-                sandbox_id, frozenset({expected}), current.state if current else None
-            )
+            raise StateChanged(sandbox_id, expected, current.state if current else None)
         self._emit(sandbox_id, expected, new)
 
     def _update(
