@@ -23,7 +23,7 @@ from typing import Any, Literal
 import httpx
 
 from agentenv.config import Config
-from agentenv.network import NetworkManager, SandboxNetwork
+from agentenv.network import EgressPolicy, NetworkError, NetworkManager, SandboxNetwork
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
@@ -276,6 +276,7 @@ class FakeNetwork(NetworkManager):
         super().__init__(prefix="fk", subnet="10.251.0.0/16", max_slots=max_slots)
         self.live: set[int] = set()
         self.internet: set[int] = set()
+        self.policies: dict[int, EgressPolicy] = {}
         self._failures: dict[str, list[BaseException]] = defaultdict(list)
 
     def fail_next(self, method: str, error: BaseException) -> None:
@@ -286,13 +287,24 @@ class FakeNetwork(NetworkManager):
         if queued:
             raise queued.pop(0)
 
-    async def create(self, slot: int, *, allow_internet: bool = False) -> SandboxNetwork:
+    async def create(self, slot: int, *, policy: EgressPolicy | None = None) -> SandboxNetwork:
         net = self.describe(slot)
         self._consume("create")
         self.live.add(slot)
-        if allow_internet:
+        self.policies[slot] = policy or EgressPolicy()
+        if self.policies[slot].allow_internet:
             self.internet.add(slot)
         return net
+
+    async def update_policy(self, slot: int, policy: EgressPolicy) -> None:
+        self._check_slot(slot)
+        self._consume("update_policy")
+        if slot not in self.live:
+            raise NetworkError(f"slot {slot} has no network")
+        self.policies[slot] = policy
+        self.internet.discard(slot)
+        if policy.allow_internet:
+            self.internet.add(slot)
 
     async def destroy(self, slot: int) -> None:
         self._check_slot(slot)

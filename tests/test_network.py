@@ -22,7 +22,13 @@ import pytest
 from pyroute2 import IPRoute, netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from agentenv.network import NetworkError, NetworkManager, SandboxNetwork, pick_free_subnet
+from agentenv.network import (
+    EgressPolicy,
+    NetworkError,
+    NetworkManager,
+    SandboxNetwork,
+    pick_free_subnet,
+)
 from agentenv.network.addresses import GUEST_GATEWAY, GUEST_IP, GUEST_MAC, GUEST_PREFIX, TAP_NAME
 
 needs_root = pytest.mark.skipif(
@@ -259,8 +265,8 @@ async def test_guest_cannot_open_connections_without_internet(manager: NetworkMa
 async def test_internet_access_rules_are_added_and_removed(manager: NetworkManager) -> None:
     table = f"agentenv_{manager.prefix}"
     with _host_ip_forward_preserved():
-        net = await manager.create(3, allow_internet=True)
-        other = await manager.create(4, allow_internet=True)
+        net = await manager.create(3, policy=EgressPolicy(allow_internet=True))
+        other = await manager.create(4, policy=EgressPolicy(allow_internet=True))
         host_rules = [table, f"{table}/slot3", f"{table}/slot4"]
         assert await asyncio.to_thread(manager.resources) == sorted(
             [net.netns, net.host_veth, other.netns, other.host_veth, *host_rules]
@@ -324,7 +330,7 @@ async def test_failed_create_leaves_nothing_behind(manager: NetworkManager) -> N
 async def test_reclaim_removes_only_slots_not_kept(manager: NetworkManager) -> None:
     with _host_ip_forward_preserved():
         for slot in (10, 11, 12):
-            await manager.create(slot, allow_internet=slot == 12)
+            await manager.create(slot, policy=EgressPolicy(allow_internet=slot == 12))
         # A new manager with the same prefix, as a restarted server would have.
         restarted = NetworkManager(manager.prefix, SUBNET, max_slots=64)
         removed = await restarted.reclaim({11})

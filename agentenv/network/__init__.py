@@ -10,5 +10,13 @@ from agentenv.network.manager import (
     SandboxNetwork,
     pick_free_subnet,
 )
+from agentenv.network.policy import EgressPolicy, PolicyError
 
-__all__ = ["NetworkError", "NetworkManager", "SandboxNetwork", "pick_free_subnet"]
+__all__ = [
+    "EgressPolicy",
+    "NetworkError",
+    "NetworkManager",
+    "PolicyError",
+    "SandboxNetwork",
+    "pick_free_subnet",
+]

@@ -46,6 +46,7 @@ from agentenv.network.addresses import (
     GUEST_PREFIX,
     TAP_NAME,
 )
+from agentenv.network.policy import EgressPolicy
 
 __all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
 
@@ -161,13 +162,15 @@ class NetworkManager:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def create(self, slot: int, *, allow_internet: bool = False) -> SandboxNetwork:
-        """Build the network for `slot`, replacing any leftovers of an earlier one.
+    async def create(self, slot: int, *, policy: EgressPolicy | None = None) -> SandboxNetwork:
+        """Build the network for `slot`, replacing any leftovers of an earlier one, with
+        egress as `policy` says (default: nothing but DNS leaves).
 
         On failure (or cancellation) everything built so far is removed before the error
         propagates.
         """
         net = self.describe(slot)
+        allow_internet = (policy or EgressPolicy()).allow_internet
         async with self._slot_lock(slot):
             try:
                 await self._destroy_slot(slot)
@@ -182,6 +185,12 @@ class NetworkManager:
                     raise NetworkError(f"creating network for slot {slot} failed: {exc}") from exc
                 raise
         return net
+
+    async def update_policy(self, slot: int, policy: EgressPolicy) -> None:
+        """Replace the egress policy of the live network of `slot`, atomically: a
+        connection is decided by the old rules or the new ones, never a mix."""
+        self._check_slot(slot)
+        raise NetworkError("changing a running sandbox's egress policy is not implemented yet")
 
     async def destroy(self, slot: int) -> None:
         """Remove the namespace, veth and host rules of `slot`; absent parts are fine.

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.network import NetworkManager
+from agentenv.network import EgressPolicy, NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Resharing
 from agentenv.orchestrator.errors import (
@@ -211,7 +211,9 @@ class Lifecycle:
                         )
                     )
                     net_task = group.create_task(
-                        self.network.create(slot, allow_internet=identity.allow_internet)
+                        self.network.create(
+                            slot, policy=EgressPolicy(allow_internet=identity.allow_internet)
+                        )
                     )
                     if own_memory and snap.files.memory_file is not None:
                         group.create_task(clone_file(snap.files.memory_file, memory))

@@ -1,0 +1,189 @@
+"""What a sandbox's guest may reach: the egress policy the host enforces.
+
+An :class:`EgressPolicy` is plain data. The API builds it from E2B's network options
+(``allow_internet_access``, ``network.allowOut``, ``denyOut``, ``dnsServers``), the
+orchestrator stores it with the sandbox, and :class:`~agentenv.network.NetworkManager`
+turns it into rules in the sandbox's namespace and the host's egress filter, where the
+guest cannot change them. This module only parses and validates; it enforces nothing.
+
+How a destination is decided (E2B's semantics, plus the ranges no guest reaches by
+default):
+
+1. An ``allow_out`` entry that matches (an address in one of its networks, or a host name
+   matched on TLS SNI or the HTTP ``Host`` header) allows it. ``allow_out`` wins over
+   ``deny_out``.
+2. Otherwise the host's own addresses and networks, link-local (cloud metadata),
+   loopback, RFC 1918, RFC 6598 (shared address space) and multicast are refused. Only an
+   ``allow_out`` network entry that covers the destination opens them; ``0.0.0.0/0`` in
+   ``allow_out`` does not count as naming them.
+3. Otherwise a matching ``deny_out`` entry refuses it.
+4. Otherwise ``allow_internet`` decides. ``allow_internet=False`` behaves as a
+   ``deny_out`` of ``0.0.0.0/0``.
+
+DNS (UDP and TCP port 53) goes only to ``dns_servers`` when any are given; otherwise to
+the resolver the guest is configured with.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ALWAYS_BLOCKED",
+    "EgressPolicy",
+    "EgressRule",
+    "PolicyError",
+    "parse_rule",
+]
+
+# Refused unless an allow_out network entry names them (rule 2 above). The host's own
+# addresses and connected networks are added by the enforcer, which knows them.
+ALWAYS_BLOCKED: tuple[ipaddress.IPv4Network, ...] = tuple(
+    ipaddress.IPv4Network(net)
+    for net in (
+        "0.0.0.0/8",  # "this network"
+        "10.0.0.0/8",  # RFC 1918
+        "100.64.0.0/10",  # RFC 6598 shared address space (carrier-grade NAT)
+        "127.0.0.0/8",  # loopback
+        "169.254.0.0/16",  # link-local, where cloud metadata services answer
+        "172.16.0.0/12",  # RFC 1918
+        "192.168.0.0/16",  # RFC 1918
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, and broadcast
+    )
+)
+
+# A DNS name: labels of letters, digits and hyphens, optionally "*." in front to match
+# every subdomain (not the name itself). A trailing dot is accepted and dropped.
+_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
+_HOSTNAME = re.compile(rf"^(\*\.)?{_LABEL}(\.{_LABEL})*$")
+_MAX_HOSTNAME = 253
+MAX_RULES = 256  # per list: each entry becomes a rule the kernel or the filter checks
+
+
+class PolicyError(ValueError):
+    """An option cannot be enforced as given. ``field`` names the option (as the API
+    spells it) so the answer can say which."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class EgressRule:
+    """One ``allow_out``/``deny_out`` entry: a network, or a host name (``*.`` prefix
+    for every subdomain)."""
+
+    network: ipaddress.IPv4Network | None = None
+    hostname: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.network) if self.network is not None else str(self.hostname)
+
+    def matches_host(self, name: str) -> bool:
+        """Whether host name `name` (as sent in SNI or ``Host``) falls under this rule."""
+        if self.hostname is None:
+            return False
+        name = name.lower().rstrip(".")
+        if self.hostname.startswith("*."):
+            return name.endswith(self.hostname[1:])
+        return name == self.hostname
+
+
+def parse_rule(entry: str, field: str) -> EgressRule:
+    """One entry of `field`, or :class:`PolicyError` saying why it is not one."""
+    if not isinstance(entry, str) or not entry.strip():
+        raise PolicyError(field, f"entry {entry!r} is not an address, network or host name")
+    text = entry.strip()
+    try:
+        address = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        pass
+    else:
+        if address.version != 4:
+            # Guests have no IPv6 route at all, so an IPv6 rule would mean nothing.
+            raise PolicyError(field, f"IPv6 entry {text!r} is not supported (guests have no IPv6)")
+        return EgressRule(network=ipaddress.IPv4Network(address))
+    name = text.lower().rstrip(".")
+    if len(name) > _MAX_HOSTNAME or not _HOSTNAME.fullmatch(name):
+        raise PolicyError(field, f"entry {text!r} is not an address, network or host name")
+    return EgressRule(hostname=name)
+
+
+def _parse_rules(entries: Iterable[str] | None, field: str) -> tuple[EgressRule, ...]:
+    rules = tuple(parse_rule(entry, field) for entry in entries or ())
+    if len(rules) > MAX_RULES:
+        raise PolicyError(field, f"at most {MAX_RULES} entries")
+    return rules
+
+
+def _parse_dns_servers(entries: Iterable[str] | None) -> tuple[ipaddress.IPv4Address, ...]:
+    servers = []
+    for entry in entries or ():
+        try:
+            address = ipaddress.ip_address(str(entry).strip())
+        except ValueError as exc:
+            raise PolicyError("dnsServers", f"{entry!r} is not an IP address") from exc
+        if address.version != 4:
+            raise PolicyError("dnsServers", f"IPv6 server {entry!r} is not supported")
+        servers.append(ipaddress.IPv4Address(address))
+    if len(servers) > 8:
+        raise PolicyError("dnsServers", "at most 8 servers")
+    return tuple(servers)
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """Where one sandbox's guest may connect to (see the module docstring for the order
+    in which the parts decide). The default refuses everything but DNS."""
+
+    allow_internet: bool = False
+    allow_out: tuple[EgressRule, ...] = ()
+    deny_out: tuple[EgressRule, ...] = ()
+    dns_servers: tuple[ipaddress.IPv4Address, ...] = field(default=())
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        allow_internet: bool,
+        allow_out: Iterable[str] | None = None,
+        deny_out: Iterable[str] | None = None,
+        dns_servers: Iterable[str] | None = None,
+    ) -> EgressPolicy:
+        """The policy the API options describe; :class:`PolicyError` names the first
+        option that cannot be enforced."""
+        return cls(
+            allow_internet=allow_internet,
+            allow_out=_parse_rules(allow_out, "allowOut"),
+            deny_out=_parse_rules(deny_out, "denyOut"),
+            dns_servers=_parse_dns_servers(dns_servers),
+        )
+
+    @property
+    def has_hostname_rules(self) -> bool:
+        """Whether deciding needs the host name a connection is for (SNI or ``Host``)."""
+        return any(rule.hostname is not None for rule in (*self.allow_out, *self.deny_out))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, for the sandbox record and repository records."""
+        return {
+            "allowInternet": self.allow_internet,
+            "allowOut": [str(rule) for rule in self.allow_out],
+            "denyOut": [str(rule) for rule in self.deny_out],
+            "dnsServers": [str(server) for server in self.dns_servers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EgressPolicy:
+        return cls.parse(
+            allow_internet=bool(data.get("allowInternet", False)),
+            allow_out=data.get("allowOut") or (),
+            deny_out=data.get("denyOut") or (),
+            dns_servers=data.get("dnsServers") or (),
+        )
