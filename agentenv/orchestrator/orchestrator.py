@@ -57,6 +57,7 @@ from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRec
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
+from agentenv.orchestrator.tokens import EnvdTokens
 from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.clone import supports_reflink
@@ -90,7 +91,9 @@ class Orchestrator:
         self.config = config
         self.driver = driver
         self.accel = accel
-        self.store = store or Store(config.db_path)
+        self.store = store or Store(
+            config.db_path, EnvdTokens.configured(config.envd_token_key, config.envd_token_key_path)
+        )
         self.store.listen(_log_event)
         self.network = network or NetworkManager(
             prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config)
