@@ -67,9 +67,7 @@ def _name_key(name: str) -> str:
         or "\0" in name
         or name.startswith("/")
     ):
-        raise InvalidName(
-            f"invalid name {name!r} (1-{_MAX_NAME} characters, no NUL or leading /)"
-        )
+        raise InvalidName(f"invalid name {name!r} (1-{_MAX_NAME} characters, no NUL or leading /)")
     quoted = quote(name, safe="")
     if len(quoted) > _MAX_QUOTED:
         quoted = "+" + hashlib.sha256(name.encode()).hexdigest()
