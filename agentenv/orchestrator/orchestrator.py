@@ -38,6 +38,7 @@ from agentenv.network import NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Capture, Resharing
 from agentenv.orchestrator.catalog import Catalog
+from agentenv.orchestrator.diskspace import FreeSpaceFloor
 from agentenv.orchestrator.errors import (
     Conflict,
     GuestUnavailable,
@@ -104,6 +105,7 @@ class Orchestrator:
             trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
+        self._free_space = FreeSpaceFloor(config)
         self._operations = SandboxOperations()
         self._supervisor = Supervisor()
         self._machines = Machines(driver, self.network, self.store, accel)
@@ -355,6 +357,7 @@ class Orchestrator:
         auto_pause: bool = False,
         auto_resume: bool = False,
     ) -> SandboxView:
+        self._free_space.check("create")
         timeout = self.timeouts.pick(timeout)
         source = await self._sources.resolve(template_id)
         identity = Identity(
@@ -447,6 +450,7 @@ class Orchestrator:
         node at once and committed to the repository in the background (``wait_commit``:
         before returning). ``replace_name`` moves an existing name to the new snapshot
         (a template rebuilt under its name)."""
+        self._free_space.check("snapshot")
         if name is not None and not replace_name:
             existing = self.store.get_snapshot(name)
             if existing is not None and existing.state == "ready":
@@ -504,6 +508,7 @@ class Orchestrator:
         why it failed."""
         if not 1 <= count <= MAX_FORK_CHILDREN:
             raise InvalidRequest(f"count must be between 1 and {MAX_FORK_CHILDREN}")
+        self._free_space.check("fork")
         chosen = self.timeouts.pick(timeout)
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
