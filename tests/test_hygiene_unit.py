@@ -26,7 +26,8 @@ from agentenv.orchestrator.errors import InvalidRequest, NodeCacheFull
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 from agentenv.orchestrator.tokens import KEY_FILE, EnvdTokens, TokenKeyMismatch, token_digest
-from agentenv.server import make_data_private
+from agentenv.server import PRIVATE_UMASK, make_data_private
+from agentenv.storage.oci import prepare_rootfs
 from tests.fakes import FAKE_TEMPLATE, Node, start_node
 
 # -- envd tokens ---------------------------------------------------------------------------
@@ -131,7 +132,10 @@ def test_start_up_pass_makes_the_data_directory_private(tmp_path: Path) -> None:
     os.chmod(script, 0o755)
     os.chmod(home / "oci" / "tree" / "tmp", 0o1777)
     os.chmod(home / "oci", 0o755)
-    (home / "link").symlink_to("/etc/hostname")
+    outside = tmp_path / "outside"
+    outside.write_text("not the server's to change")
+    os.chmod(outside, 0o644)
+    (home / "link").symlink_to(outside)
 
     assert make_data_private(home) > 0
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
@@ -141,8 +145,20 @@ def test_start_up_pass_makes_the_data_directory_private(tmp_path: Path) -> None:
     assert stat.S_IMODE((home / "oci").stat().st_mode) == 0o700
     # A guest tree being built keeps its image's modes.
     assert stat.S_IMODE((home / "oci" / "tree" / "tmp").stat().st_mode) == 0o1777
-    assert stat.S_IMODE(Path("/etc/hostname").stat().st_mode) & 0o044  # not followed
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o644  # links are not followed
     assert make_data_private(home) == 0
+
+
+def test_guest_trees_do_not_take_the_servers_umask(tmp_path: Path) -> None:
+    """The server runs with umask 077; directories it adds to an image's root tree
+    (a scratch image has no /home) are still 0755 in the guest."""
+    previous = os.umask(PRIVATE_UMASK)
+    try:
+        prepare_rootfs(tmp_path)
+    finally:
+        os.umask(previous)
+    for directory in ("home", "home/user", "etc", ".aenv"):
+        assert stat.S_IMODE((tmp_path / directory).stat().st_mode) == 0o755, directory
 
 
 # -- metadata, env vars, snapshot names --------------------------------------------------
