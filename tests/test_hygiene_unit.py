@@ -116,6 +116,18 @@ def test_rows_with_raw_tokens_from_older_servers_keep_working(tmp_path: Path) ->
     store.close()
 
 
+async def test_fork_children_get_tokens_of_their_own(node: Node) -> None:
+    parent = await node.orchestrator.create(FAKE_TEMPLATE, secure=True)
+    children = await node.orchestrator.fork(parent.sandbox_id, 2, None)
+    tokens = node.orchestrator.store.tokens
+    seen = {parent.record.envd_token}
+    for child in children:
+        assert not isinstance(child, Exception)
+        assert child.record.envd_token == tokens.token(child.sandbox_id)
+        seen.add(child.record.envd_token)
+    assert len(seen) == 3
+
+
 # -- data directory permissions ------------------------------------------------------------
 
 
