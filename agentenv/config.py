@@ -56,7 +56,7 @@ NOT_SETTINGS = frozenset(
 )
 
 # Values never repeated in an error message.
-_SECRET_KEYS = frozenset({"api_key", "s3.secret_access_key", "s3.session_token"})
+_SECRET_KEYS = frozenset({"api_key", "s3.secret_access_key", "s3.session_token", "envd_token_key"})
 
 
 class ConfigError(ValueError):
@@ -79,6 +79,19 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ConfigError(f"size must be positive, got {text!r}")
     return size
+
+
+def free_space_floor_bytes(text: str, filesystem_bytes: int) -> int:
+    """Bytes ``text`` (a size, or ``N%`` of a filesystem of ``filesystem_bytes``) stands for."""
+    if text.strip().endswith("%"):
+        try:
+            percent = float(text.strip()[:-1])
+        except ValueError:
+            raise ConfigError(f"not a percentage: {text!r}") from None
+        if not 0 < percent < 100:
+            raise ConfigError(f"percentage must be between 0 and 100, got {text!r}")
+        return int(filesystem_bytes * percent / 100)
+    return parse_size(text)
 
 
 class Config(BaseModel):
@@ -139,6 +152,14 @@ class Config(BaseModel):
     # The server user's home directory ($HOME), where skopeo (which the server runs to
     # pull images) looks for a user signature policy.
     user_home: Path = Path("/root")
+    # The key sandboxes' envd tokens are derived from (hex, at least 32 digits), so they
+    # are never stored (orchestrator/tokens.py). Nodes sharing a repository must have the
+    # same one. Default: envd_token.key in the data directory, made at first start.
+    envd_token_key: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-fA-F]{32,}$")
+    # Free space the data directory's filesystem must keep: creates, forks and snapshots
+    # are refused (507) below it. A size (512M, 20G) or a percentage of the filesystem
+    # (5%); None: no floor.
+    free_space_floor: str | None = None
 
     # -- validation ----------------------------------------------------------------------
     @field_validator("listen")
@@ -163,6 +184,18 @@ class Config(BaseModel):
             parse_size(text)
         except ConfigError:
             raise ValueError("expected a positive size such as 512M or 20G") from None
+        return text
+
+    @field_validator("free_space_floor")
+    @classmethod
+    def _check_free_space_floor(cls, text: str | None) -> str | None:
+        if text is not None:
+            try:
+                free_space_floor_bytes(text, 1)
+            except ConfigError:
+                raise ValueError(
+                    "expected a size such as 512M or 20G, or a percentage such as 5%"
+                ) from None
         return text
 
     @field_validator("repository")
@@ -236,6 +269,16 @@ class Config(BaseModel):
     @property
     def cache_bytes(self) -> int:
         return parse_size(self.cache_size)
+
+    @property
+    def envd_token_key_path(self) -> Path:
+        return self.home / "envd_token.key"
+
+    def free_space_floor_of(self, filesystem_bytes: int) -> int:
+        """Bytes the data directory's filesystem (of ``filesystem_bytes``) must keep free."""
+        if self.free_space_floor is None:
+            return 0
+        return free_space_floor_bytes(self.free_space_floor, filesystem_bytes)
 
     @property
     def node_name(self) -> str:

@@ -15,3 +15,17 @@ MAX_SNAPSHOT_NAME_LENGTH = 128
 MAX_REFRESH_DURATION_S = 3600
 # Most items one page of a listing (``GET /v2/sandboxes``, ``GET /snapshots``) may hold.
 MAX_PAGE_SIZE = 1000
+# Sandbox metadata (POST /sandboxes, /v2/sandboxes; forks inherit it): it is stored with
+# the sandbox, copied into snapshots and returned by every listing, so its size is bound.
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY_LENGTH = 256
+MAX_METADATA_VALUE_LENGTH = 4096
+# Keys plus values, in UTF-8 bytes.
+MAX_METADATA_BYTES = 32 * 1024
+# Environment variables a create sets for every process in the sandbox (sent to envd at
+# start and after each resume).
+MAX_ENV_VARS = 256
+MAX_ENV_VAR_NAME_LENGTH = 256
+MAX_ENV_VAR_VALUE_LENGTH = 32 * 1024
+# Names plus values, in UTF-8 bytes.
+MAX_ENV_VARS_BYTES = 256 * 1024

@@ -7,8 +7,10 @@ import argparse
 import asyncio
 import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import uvicorn
@@ -30,6 +32,10 @@ log = logging.getLogger("agentenv.server")
 
 #: Seconds an idle keep-alive connection stays open (see ``main``).
 KEEP_ALIVE_S = 330
+
+#: Permission bits no file or directory the server makes may give to group or others:
+#: state.db holds the sandboxes' records, disk and RAM images hold guests' data.
+PRIVATE_UMASK = 0o077
 
 
 class NodeSetupError(Exception):
@@ -95,6 +101,38 @@ def collect_garbage(config: Config, grace_s: float) -> None:
     print(f"{repository.url}: removed {blobs} unreferenced blobs and {chunks} chunks")
 
 
+def make_data_private(home: Path) -> int:
+    """Take group and other permissions off the data directory and what is in it (a data
+    directory made by an older server was 0755 with 0644 files). Entries owned by another
+    user are left alone: the server gave them away on purpose (a confined VMM's files).
+    ``oci/`` is tightened but not entered: a guest root tree being built there keeps the
+    modes its image gave it. Returns how many entries changed."""
+    changed = 0
+
+    def tighten(path: str, st: os.stat_result) -> None:
+        nonlocal changed
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077, follow_symlinks=False)
+            changed += 1
+
+    if not home.is_dir():
+        return 0
+    tighten(str(home), home.stat())
+    for root, dirs, files in os.walk(home):
+        if Path(root) == home and "oci" in dirs:
+            dirs.remove("oci")
+            tighten(str(home / "oci"), (home / "oci").lstat())
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue  # removed meanwhile (a VMM that outlived the last server)
+            if not stat.S_ISLNK(st.st_mode):
+                tighten(path, st)
+    return changed
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="aenv-server", description="Run an agentenv node.")
     parser.add_argument("--listen", help="host:port (env AENV_LISTEN, default 127.0.0.1:8000)")
@@ -109,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         "seconds, then exit. Run it while no node is committing.",
     )
     args = parser.parse_args(argv)
+    # Before anything is written: every file and directory made from here on (state.db,
+    # logs, images, the repository under the data directory) is private to the server.
+    os.umask(PRIVATE_UMASK)
     try:
         config = Config.load(listen=args.listen, home=args.home)
     except ConfigError as exc:
@@ -125,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     if os.geteuid() != 0:
         sys.exit("aenv-server: must run as root (it creates network namespaces, taps and VMs)")
+    tightened = make_data_private(config.home)
+    if tightened:
+        log.info("took group/other permissions off %d entries in %s", tightened, config.home)
     try:
         app, orchestrator, _ = build_app(config)
     except (NodeSetupError, ConfigError) as exc:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.config import Config
 from agentenv.orchestrator.errors import (
     Conflict,
     OperationFailed,
@@ -514,13 +515,25 @@ async def test_restart_discards_creating_killing_and_orphans(node: Node) -> None
 
 
 # -- handoff between nodes --------------------------------------------------------------------
-async def _two_nodes(tmp_path: Path) -> tuple[Node, Node]:
-    """Two nodes sharing one repository. Their background handoff checks are off, so
-    the tests decide when a node checks (:meth:`RepositorySync.check_handoffs`)."""
+async def _two_nodes(tmp_path: Path, *, same_token_key: bool = True) -> tuple[Node, Node]:
+    """Two nodes sharing one repository (and, with ``same_token_key``, the key envd
+    tokens are derived from). Their background handoff checks are off, so the tests
+    decide when a node checks (:meth:`RepositorySync.check_handoffs`)."""
     repository = tmp_path / "repository"
-    a = await start_node(tmp_path / "a", repository, node_id="node-a", watch_handoffs=False)
+
+    def key(config: Config) -> Config:
+        return config.with_overrides(envd_token_key="5e" * 32) if same_token_key else config
+
+    a = await start_node(
+        tmp_path / "a", repository, node_id="node-a", watch_handoffs=False, configure=key
+    )
     b = await start_node(
-        tmp_path / "b", repository, node_id="node-b", template=False, watch_handoffs=False
+        tmp_path / "b",
+        repository,
+        node_id="node-b",
+        template=False,
+        watch_handoffs=False,
+        configure=key,
     )
     return a, b
 
@@ -531,6 +544,28 @@ async def _paused_and_committed(node: Node, sandbox_id: str) -> None:
     if upload is not None:
         await asyncio.wait_for(upload, 30)
     assert node.orchestrator.pause_committed(record(node, sandbox_id))
+
+
+async def test_a_node_with_another_token_key_does_not_take_a_sandbox(tmp_path: Path) -> None:
+    """The paused record carries no token, only its digest: a node whose key derives
+    another token refuses the sandbox before claiming it, so its owner keeps it."""
+    a, b = await _two_nodes(tmp_path, same_token_key=False)
+    try:
+        view = await a.orchestrator.create(FAKE_TEMPLATE, secure=True)
+        token = view.record.envd_token
+        assert token is not None
+        await _paused_and_committed(a, view.sandbox_id)
+        repository = tmp_path / "repository"
+        assert not any(
+            token.encode() in path.read_bytes() for path in repository.rglob("*") if path.is_file()
+        )
+        with pytest.raises(OperationFailed, match="another key"):
+            await b.orchestrator.adopt(view.sandbox_id)
+        resumed = await a.orchestrator.resume(view.sandbox_id)
+        assert resumed.state == "running" and resumed.record.envd_token == token
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 async def test_handoff_to_another_node(tmp_path: Path) -> None:

@@ -72,12 +72,16 @@ def s3(test_root: Path) -> Iterator[S3Server]:
         yield server
 
 
+SHARED_ENVD_TOKEN_KEY = "5e" * 32
+
+
 @pytest.fixture(scope="module", params=["posix", "s3"])
 def nodes(
     request: pytest.FixtureRequest, test_root: Path, guest_image: None
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     kind = request.param
-    extra = {"AENV_NETWORK_LINGER": "1"}
+    # Nodes that resume each other's sandboxes derive envd tokens from one key.
+    extra = {"AENV_NETWORK_LINGER": "1", "AENV_ENVD_TOKEN_KEY": SHARED_ENVD_TOKEN_KEY}
     if kind == "posix":
         extra["AENV_REPOSITORY"] = (test_root / "shared-repository").as_uri()
     else:
@@ -187,7 +191,11 @@ def test_s3_down_pause_stays_local_and_is_uploaded_later(
 def test_server_killed_mid_commit_leaves_the_previous_state(
     s3: S3Server, test_root: Path, guest_image: None
 ) -> None:
-    extra = {**s3.env, "AENV_REPOSITORY": s3.url("crash")}
+    extra = {
+        **s3.env,
+        "AENV_REPOSITORY": s3.url("crash"),
+        "AENV_ENVD_TOKEN_KEY": SHARED_ENVD_TOKEN_KEY,
+    }
     a = ServerProcess(home=test_root / "crash-a", extra_env=extra)
     b = ServerProcess(home=test_root / "crash-b", extra_env=extra)
     with live_server(a), live_server(b):

@@ -2,17 +2,106 @@
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentenv.limits import (
+    MAX_ENV_VAR_NAME_LENGTH,
+    MAX_ENV_VAR_VALUE_LENGTH,
+    MAX_ENV_VARS,
+    MAX_ENV_VARS_BYTES,
     MAX_FORK_CHILDREN,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_ENTRIES,
+    MAX_METADATA_KEY_LENGTH,
+    MAX_METADATA_VALUE_LENGTH,
     MAX_REFRESH_DURATION_S,
     MAX_SNAPSHOT_NAME_LENGTH,
     MAX_TEMPLATE_REF_LENGTH,
 )
+
+# Metadata keys end up in listings, query filters (``?metadata=k=v``) and logs: word
+# characters and a few separators, nothing that needs quoting or escaping there.
+_METADATA_KEY = re.compile(r"[\w.:/@+-]+")
+# What a POSIX shell and env(1) accept as a variable name.
+_ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Multi-line values (certificates, keys) are ordinary in environment variables.
+_ENV_VALUE_CONTROLS_ALLOWED = frozenset("\t\n\r")
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for an error message, cut short (the value may be megabytes)."""
+    quoted = repr(text)
+    return quoted if len(quoted) <= 40 else quoted[:36] + "...'"
+
+
+def _has_control(text: str, allowed: frozenset[str] = frozenset()) -> bool:
+    return any(unicodedata.category(c) == "Cc" and c not in allowed for c in text)
+
+
+def check_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` if it is within the limits (:mod:`agentenv.limits`), else a
+    ``ValueError`` saying which entry is not and why."""
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise ValueError(f"at most {MAX_METADATA_ENTRIES} entries, got {len(metadata)}")
+    total = 0
+    for key, value in metadata.items():
+        if not 0 < len(key) <= MAX_METADATA_KEY_LENGTH:
+            raise ValueError(f"key {_shown(key)}: 1 to {MAX_METADATA_KEY_LENGTH} characters")
+        if not _METADATA_KEY.fullmatch(key):
+            raise ValueError(
+                f"key {_shown(key)}: only letters, digits and _ . : / @ + - are allowed"
+            )
+        if len(value) > MAX_METADATA_VALUE_LENGTH:
+            raise ValueError(
+                f"value of {key!r}: at most {MAX_METADATA_VALUE_LENGTH} characters, "
+                f"got {len(value)}"
+            )
+        if _has_control(value):
+            raise ValueError(
+                f"value of {key!r}: control characters (NUL, ESC, ...) are not allowed"
+            )
+        total += len(key.encode()) + len(value.encode())
+    if total > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"keys and values together at most {MAX_METADATA_BYTES} bytes, got {total}"
+        )
+    return metadata
+
+
+def check_env_vars(env_vars: dict[str, str]) -> dict[str, str]:
+    """``env_vars`` if they are within the limits (:mod:`agentenv.limits`) and every
+    name is a valid variable name, else a ``ValueError`` saying which is not and why."""
+    if len(env_vars) > MAX_ENV_VARS:
+        raise ValueError(f"at most {MAX_ENV_VARS} variables, got {len(env_vars)}")
+    total = 0
+    for name, value in env_vars.items():
+        if len(name) > MAX_ENV_VAR_NAME_LENGTH:
+            raise ValueError(f"name {_shown(name)}: at most {MAX_ENV_VAR_NAME_LENGTH} characters")
+        if not _ENV_VAR_NAME.fullmatch(name):
+            raise ValueError(
+                f"name {_shown(name)}: not a variable name (letters, digits and _, "
+                "not starting with a digit)"
+            )
+        if len(value) > MAX_ENV_VAR_VALUE_LENGTH:
+            raise ValueError(
+                f"value of {name}: at most {MAX_ENV_VAR_VALUE_LENGTH} characters, got {len(value)}"
+            )
+        if _has_control(value, _ENV_VALUE_CONTROLS_ALLOWED):
+            raise ValueError(
+                f"value of {name}: control characters other than tab and line breaks "
+                "(NUL, ESC, ...) are not allowed"
+            )
+        total += len(name.encode()) + len(value.encode())
+    if total > MAX_ENV_VARS_BYTES:
+        raise ValueError(
+            f"names and values together at most {MAX_ENV_VARS_BYTES} bytes, got {total}"
+        )
+    return env_vars
 
 
 class ErrorBody(BaseModel):
@@ -36,6 +125,9 @@ class NewSandbox(BaseModel):
     auto_pause: bool = Field(default=False, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
+
+    _check_metadata = field_validator("metadata")(check_metadata)
+    _check_env_vars = field_validator("env_vars")(check_env_vars)
 
 
 class AutoResume(BaseModel):
@@ -186,7 +278,11 @@ class SnapshotRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str | None = Field(
-        default=None, min_length=1, max_length=MAX_SNAPSHOT_NAME_LENGTH, pattern=r"^[\w.:/-]+$"
+        default=None,
+        min_length=1,
+        max_length=MAX_SNAPSHOT_NAME_LENGTH,
+        # "/" separates parts of a name (team/name), so a name does not start with one.
+        pattern=r"^[\w.:-][\w.:/-]*$",
     )
     memory: bool | None = None
 

@@ -19,13 +19,18 @@ from pathlib import Path
 from typing import TypeVar
 
 from agentenv.config import Config
-from agentenv.orchestrator.errors import Conflict, NodeCacheFull, RepositoryUnavailable
+from agentenv.orchestrator.errors import (
+    Conflict,
+    InvalidRequest,
+    NodeCacheFull,
+    RepositoryUnavailable,
+)
 from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.objects import RepositoryError, open_store
 from agentenv.snapshots.publish import DigestMemo, Fetcher, KnownChunks, Published, Publisher
-from agentenv.snapshots.repository import Repository
+from agentenv.snapshots.repository import InvalidName, Repository
 
 log = logging.getLogger("agentenv.catalog")
 
@@ -40,6 +45,8 @@ async def _guard(what: str, work: Awaitable[T]) -> T:
         return await work
     except CacheFull as exc:
         raise NodeCacheFull(f"{what}: {exc}") from exc
+    except InvalidName as exc:
+        raise InvalidRequest(str(exc)) from exc
     except RepositoryError as exc:
         raise RepositoryUnavailable(f"{what}: {exc}") from exc
     except (OSError, SnapshotError, MalformedRecord) as exc:

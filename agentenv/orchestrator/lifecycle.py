@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import shutil
 from dataclasses import dataclass
 from datetime import timedelta
@@ -180,7 +179,7 @@ class Lifecycle:
             memory_mib=snap.memory_mib,
             disk_size_mib=snap.disk_size_mib,
             envd_version=snap.envd_version,
-            envd_token=secrets.token_urlsafe(24) if identity.secure else None,
+            envd_token=self.store.tokens.token(sandbox_id) if identity.secure else None,
             metadata=identity.metadata,
             env_vars=identity.env_vars,
             auto_pause=identity.auto_pause,

@@ -38,6 +38,7 @@ from agentenv.network import NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Capture, Resharing
 from agentenv.orchestrator.catalog import Catalog
+from agentenv.orchestrator.diskspace import FreeSpaceFloor
 from agentenv.orchestrator.errors import (
     Conflict,
     GuestUnavailable,
@@ -57,6 +58,7 @@ from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRec
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
+from agentenv.orchestrator.tokens import EnvdTokens
 from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.clone import supports_reflink
@@ -90,7 +92,9 @@ class Orchestrator:
         self.config = config
         self.driver = driver
         self.accel = accel
-        self.store = store or Store(config.db_path)
+        self.store = store or Store(
+            config.db_path, EnvdTokens.configured(config.envd_token_key, config.envd_token_key_path)
+        )
         self.store.listen(_log_event)
         self.network = network or NetworkManager(
             prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config)
@@ -101,6 +105,7 @@ class Orchestrator:
             trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
+        self._free_space = FreeSpaceFloor(config)
         self._operations = SandboxOperations()
         self._supervisor = Supervisor()
         self._machines = Machines(driver, self.network, self.store, accel)
@@ -352,6 +357,7 @@ class Orchestrator:
         auto_pause: bool = False,
         auto_resume: bool = False,
     ) -> SandboxView:
+        self._free_space.check("create")
         timeout = self.timeouts.pick(timeout)
         source = await self._sources.resolve(template_id)
         identity = Identity(
@@ -444,6 +450,7 @@ class Orchestrator:
         node at once and committed to the repository in the background (``wait_commit``:
         before returning). ``replace_name`` moves an existing name to the new snapshot
         (a template rebuilt under its name)."""
+        self._free_space.check("snapshot")
         if name is not None and not replace_name:
             existing = self.store.get_snapshot(name)
             if existing is not None and existing.state == "ready":
@@ -501,6 +508,7 @@ class Orchestrator:
         why it failed."""
         if not 1 <= count <= MAX_FORK_CHILDREN:
             raise InvalidRequest(f"count must be between 1 and {MAX_FORK_CHILDREN}")
+        self._free_space.check("fork")
         chosen = self.timeouts.pick(timeout)
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:

@@ -58,6 +58,9 @@ class SnapshotEntry(_Record):
     # The snapshot's portable description and the blobs it references (snapshots/).
     manifest: dict[str, Any]
     blobs: dict[str, str]
+    # The sandbox's envd token's digest (tokens.token_digest): the node resuming it
+    # derives the token with its key and checks it against this.
+    envd_token_sha256: str | None = None
 
 
 class PausedEntry(_Record):
@@ -73,6 +76,8 @@ class PausedEntry(_Record):
     parent_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     env_vars: dict[str, str] = Field(default_factory=dict)
+    # Written only for a token from before envd tokens were derived from the node key
+    # (orchestrator/tokens.py); records from older nodes carry every token here.
     envd_token: str | None = None
     auto_pause: bool = False
     auto_resume: bool = False
@@ -83,3 +88,6 @@ class PausedEntry(_Record):
     paused_at: datetime
     manifest: dict[str, Any]
     blobs: dict[str, str]
+    # The sandbox's envd token's digest (tokens.token_digest): the node resuming it
+    # derives the token with its key and checks it against this.
+    envd_token_sha256: str | None = None

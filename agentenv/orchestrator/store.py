@@ -10,6 +10,8 @@ lifecycle events are emitted, to the listeners added with :meth:`Store.listen`.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.orchestrator.states import IllegalTransition, SandboxState, StateChanged, allowed
+from agentenv.orchestrator.tokens import KEY_FILE, EnvdTokens, TokenKeyMismatch
+
+log = logging.getLogger("agentenv.orchestrator")
 
 SCHEMA_VERSION = 2
 
@@ -164,12 +169,17 @@ SandboxListener = Callable[[SandboxEvent], None]
 
 class Store:
     """Sandbox and template records. Not thread-safe: used from the event loop only.
-    ``path`` ``None`` keeps them in memory (tests)."""
+    ``path`` ``None`` keeps them in memory (tests).
 
-    def __init__(self, path: Path | None) -> None:
+    A sandbox's ``envd_token`` is not written: the record keeps its digest and reading
+    it derives the token again with :attr:`tokens` (:mod:`.tokens`), whose key is
+    :data:`~.tokens.KEY_FILE` next to the database (``tokens`` given: that one)."""
+
+    def __init__(self, path: Path | None, tokens: EnvdTokens | None = None) -> None:
         self.path = path
         self._db: sqlite3.Connection | None = None
         self._listeners: list[SandboxListener] = []
+        self._tokens = tokens
 
     def listen(self, listener: SandboxListener) -> None:
         """Call ``listener`` on every sandbox state change, after it is written.
@@ -200,6 +210,19 @@ class Store:
             (str(SCHEMA_VERSION),),
         )
         self._db = db
+        if self._tokens is None:
+            self._tokens = (
+                EnvdTokens.load(self.path.parent / KEY_FILE)
+                if self.path is not None
+                else EnvdTokens(os.urandom(32))
+            )
+
+    @property
+    def tokens(self) -> EnvdTokens:
+        """Derives sandboxes' envd tokens (set once the store is open)."""
+        if self._tokens is None:
+            raise RuntimeError("store is not open")
+        return self._tokens
 
     def close(self) -> None:
         if self._db is not None:
@@ -242,6 +265,7 @@ class Store:
     # -- sandboxes ----------------------------------------------------------------------
     def insert_sandbox(self, rec: SandboxRecord) -> None:
         row = _sandbox_row(rec)
+        row["envd_token"] = self.tokens.stored(rec.sandbox_id, rec.envd_token)
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         self.db.execute(f"INSERT INTO sandboxes ({names}) VALUES ({marks})", list(row.values()))
@@ -277,6 +301,11 @@ class Store:
     ) -> bool:
         columns = []
         values: list[Any] = []
+        if "envd_token" in changes:
+            changes = {
+                **changes,
+                "envd_token": self.tokens.stored(sandbox_id, changes["envd_token"]),
+            }
         for key, value in changes.items():
             columns.append(f"{key} = ?")
             if isinstance(value, datetime):
@@ -305,11 +334,22 @@ class Store:
         row = self.db.execute(
             "SELECT * FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)
         ).fetchone()
-        return _sandbox(row) if row else None
+        return self._sandbox(row) if row else None
 
     def list_sandboxes(self) -> list[SandboxRecord]:
         rows = self.db.execute("SELECT * FROM sandboxes ORDER BY started_at, sandbox_id")
-        return [_sandbox(r) for r in rows]
+        return [self._sandbox(r) for r in rows]
+
+    def _sandbox(self, row: sqlite3.Row) -> SandboxRecord:
+        rec = _sandbox(row)
+        try:
+            rec.envd_token = self.tokens.restored(rec.sandbox_id, rec.envd_token)
+        except TokenKeyMismatch as exc:
+            # Its guest holds a token this node cannot reproduce: calls to its envd will
+            # be refused, which is the failure the log line explains.
+            log.error("%s", exc)
+            rec.envd_token = self.tokens.token(rec.sandbox_id)
+        return rec
 
     def used_slots(self) -> set[int]:
         return {int(r[0]) for r in self.db.execute("SELECT slot FROM sandboxes")}

@@ -22,6 +22,7 @@ from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import (
     Conflict,
     NodeCacheFull,
+    OperationFailed,
     RepositoryUnavailable,
     SandboxNotFound,
     SnapshotNotFound,
@@ -41,6 +42,7 @@ from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.timing import PhaseTimer
+from agentenv.orchestrator.tokens import TokenKeyMismatch, token_digest
 from agentenv.orchestrator.views import SnapshotView
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.clone import clone_file
@@ -300,7 +302,15 @@ class RepositorySync:
             parent_id=rec.parent_id,
             metadata=rec.metadata,
             env_vars=rec.env_vars,
-            envd_token=rec.envd_token,
+            # Only a token from before tokens were derived travels as it is: the node
+            # that resumes it could not compute it.
+            envd_token=(
+                None
+                if rec.envd_token is None
+                or self.store.tokens.is_derived(sandbox_id, rec.envd_token)
+                else rec.envd_token
+            ),
+            envd_token_sha256=token_digest(rec.envd_token) if rec.envd_token else None,
             auto_pause=rec.auto_pause,
             auto_resume=rec.auto_resume,
             allow_internet=rec.allow_internet,
@@ -357,10 +367,23 @@ class RepositorySync:
         entry = await self.catalog.get_paused(sandbox_id)
         if entry is None:
             raise SandboxNotFound(sandbox_id)
+        self._adopted_token(entry)  # before the claim: a node that cannot serve it leaves it
         if not await self.catalog.claim(sandbox_id, entry.generation):
             holder = await self.catalog.holder(sandbox_id, entry.generation)
             raise Conflict(f"sandbox {sandbox_id} was resumed on node {holder}")
         await self._record_adopted(entry)
+
+    def _adopted_token(self, entry: PausedEntry) -> str | None:
+        """The envd token of a sandbox paused by another node: carried as it is (a token
+        from before tokens were derived), else derived here and checked against the
+        digest the record carries. :class:`OperationFailed` if this node's key does
+        not reproduce it."""
+        if entry.envd_token is not None or entry.envd_token_sha256 is None:
+            return entry.envd_token
+        try:
+            return self.store.tokens.restored(entry.sandbox_id, entry.envd_token_sha256)
+        except TokenKeyMismatch as exc:
+            raise OperationFailed(f"cannot resume it on node {self.catalog.node}: {exc}") from None
 
     async def _record_adopted(self, entry: PausedEntry) -> None:
         sandbox_id = entry.sandbox_id
@@ -401,7 +424,7 @@ class RepositorySync:
                 memory_mib=snap.memory_mib,
                 disk_size_mib=snap.disk_size_mib,
                 envd_version=entry.envd_version,
-                envd_token=entry.envd_token,
+                envd_token=self._adopted_token(entry),
                 metadata=dict(entry.metadata),
                 env_vars=dict(entry.env_vars),
                 auto_pause=entry.auto_pause,

@@ -55,6 +55,10 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"invalid record kind {kind!r}")
 
 
+class InvalidName(ValueError):
+    """A snapshot name the repository cannot hold (a caller's mistake, not an outage)."""
+
+
 def _name_key(name: str) -> str:
     if (
         not isinstance(name, str)
@@ -63,7 +67,7 @@ def _name_key(name: str) -> str:
         or "\0" in name
         or name.startswith("/")
     ):
-        raise ValueError(f"invalid name {name!r} (1-{_MAX_NAME} characters, no NUL or leading /)")
+        raise InvalidName(f"invalid name {name!r} (1-{_MAX_NAME} characters, no NUL or leading /)")
     quoted = quote(name, safe="")
     if len(quoted) > _MAX_QUOTED:
         quoted = "+" + hashlib.sha256(name.encode()).hexdigest()

@@ -532,9 +532,21 @@ def _makedirs(root: Path, path: str, mode: int = 0o755) -> Path:
     host = _in_root(root, path)
     if not host.is_dir():
         # No component of ``host`` is a symlink, so this stays inside ``root``.
-        os.makedirs(host, 0o755, exist_ok=True)
+        _make_guest_dirs(host)
         host.chmod(mode)
     return host
+
+
+def _make_guest_dirs(host: Path) -> None:
+    """Make directory ``host`` and its missing parents 0755: a guest's directories
+    must not take the mode of the server's umask (077: the data directory is private)."""
+    missing = []
+    while not host.is_dir():
+        missing.append(host)
+        host = host.parent
+    for directory in reversed(missing):
+        directory.mkdir(exist_ok=True)
+        directory.chmod(0o755)
 
 
 def _read_lines(root: Path, path: str) -> list[str]:
@@ -548,7 +560,7 @@ def _read_lines(root: Path, path: str) -> list[str]:
 def _write(root: Path, path: str, text: str, mode: int = 0o644) -> None:
     """Replace (or create) ``path``: keeps an existing file's mode and owner."""
     host = _in_root(root, path)
-    os.makedirs(host.parent, 0o755, exist_ok=True)
+    _make_guest_dirs(host.parent)
     with contextlib.suppress(FileNotFoundError):
         st = host.lstat()
         if stat.S_ISREG(st.st_mode):
