@@ -139,6 +139,20 @@ class Config(BaseModel):
     # The server user's home directory ($HOME), where skopeo (which the server runs to
     # pull images) looks for a user signature policy.
     user_home: Path = Path("/root")
+    # Run every VMM confined: its own uid, cgroup and mount namespace, no capabilities,
+    # QEMU's seccomp filter (see agentenv.vmm.confine). Turn off only for development on
+    # a host that lacks what confinement needs; the server refuses to start otherwise.
+    confine_vmm: bool = True
+    # First id of the uid/gid blocks VMMs run as: each server takes a block of 65536 from
+    # here (chosen by its instance tag), far above the ids of real users.
+    vmm_id_base: int = Field(default=1_000_000_000, ge=100_000, le=3_000_000_000)
+    # Memory a confined VMM may use beyond its guest's RAM (QEMU itself, its TCG
+    # translation cache, device buffers), in MiB; its cgroup's memory limit.
+    vmm_memory_overhead_mib: int = Field(default=256, ge=32)
+    # Threads a confined VMM may have (its cgroup's pids limit).
+    vmm_pids_max: int = Field(default=512, ge=16)
+    # How much of a VM's console output is kept (the most recent), K/M/G suffixes.
+    console_log_size: str = "1M"
 
     # -- validation ----------------------------------------------------------------------
     @field_validator("listen")
@@ -163,6 +177,17 @@ class Config(BaseModel):
             parse_size(text)
         except ConfigError:
             raise ValueError("expected a positive size such as 512M or 20G") from None
+        return text
+
+    @field_validator("console_log_size")
+    @classmethod
+    def _check_console_log_size(cls, text: str) -> str:
+        try:
+            size = parse_size(text)
+        except ConfigError:
+            raise ValueError("expected a positive size such as 512K or 1M") from None
+        if size < 16 * 1024:
+            raise ValueError("expected at least 16K")
         return text
 
     @field_validator("repository")
@@ -236,6 +261,10 @@ class Config(BaseModel):
     @property
     def cache_bytes(self) -> int:
         return parse_size(self.cache_size)
+
+    @property
+    def console_log_bytes(self) -> int:
+        return parse_size(self.console_log_size)
 
     @property
     def node_name(self) -> str:

@@ -20,8 +20,10 @@ from agentenv.config import Config, ConfigError
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.snapshots.objects import RepositoryError, open_store
 from agentenv.snapshots.repository import Repository
+from agentenv.vmm import confine
 from agentenv.vmm.accel import resolve_accelerator
 from agentenv.vmm.base import VMMDriver
+from agentenv.vmm.cgroups import VmmCgroups
 from agentenv.vmm.firecracker import FirecrackerDriver
 from agentenv.vmm.firecracker_binary import find_firecracker
 from agentenv.vmm.qemu import QemuDriver
@@ -54,7 +56,39 @@ def choose_runtime(config: Config) -> NodeRuntime:
         if config.vmm == "firecracker":
             why = "no Firecracker binary found" if binary is None else probe.reason
             raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
-    return NodeRuntime(QemuDriver(), probe.accel, probe.reason)
+    driver = QemuDriver(confinement=vmm_confinement(config), console_limit=config.console_log_bytes)
+    return NodeRuntime(driver, probe.accel, probe.reason)
+
+
+def vmm_confinement(config: Config) -> confine.Confinement | None:
+    """How VMMs are confined on this node, after checking the host has what that needs;
+    None with ``confine_vmm`` off. Raises :class:`NodeSetupError` naming what is
+    missing."""
+    if not config.confine_vmm:
+        log.warning("confine_vmm is off: VMMs run as root, unconfined (development only)")
+        return None
+    parent = f"agentenv-{config.instance_tag}"
+    problems = confine.problems(parent)
+    if problems:
+        raise NodeSetupError(
+            "cannot confine VMMs: "
+            + "; ".join(problems)
+            + " (confine_vmm = false runs them unconfined, for development only)"
+        )
+    confinement = confine.Confinement(
+        data_dir=config.home.resolve(),
+        id_base=confine.id_block(config.vmm_id_base, config.instance_tag),
+        cgroups=VmmCgroups.detect(parent),
+        memory_overhead_mib=config.vmm_memory_overhead_mib,
+        pids_max=config.vmm_pids_max,
+    )
+    try:
+        confinement.prepare_host()
+    except confine.ConfinementError as exc:
+        raise NodeSetupError(f"cannot confine VMMs: {exc}") from exc
+    # Cgroups of VMMs that exited while no server watched them.
+    confinement.cgroups.reclaim()
+    return confinement
 
 
 def build_app(config: Config) -> tuple[FastAPI, Orchestrator, str]:
@@ -125,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     if os.geteuid() != 0:
         sys.exit("aenv-server: must run as root (it creates network namespaces, taps and VMs)")
+    # A VMM (oom_score_adj 1000 when confined) is the OOM killer's choice, not the server.
+    confine.lower_server_oom_score()
     try:
         app, orchestrator, _ = build_app(config)
     except (NodeSetupError, ConfigError) as exc:

@@ -106,16 +106,20 @@ def test_chain_joins_cgroup_then_netns_then_drops_privileges(tmp_path: Path) -> 
     )
     argv = command_line(spec)
     assert argv[:2] == ["/bin/sh", "-c"]
-    assert argv[3] == str(fake_cgroup)
+    assert argv[4] == str(fake_cgroup)
     nsenter = argv.index("--net=/run/netns/ns1")
     assert argv[nsenter - 1].endswith("/nsenter")
     setpriv = next(i for i, part in enumerate(argv) if part.endswith("/setpriv"))
     assert nsenter < setpriv
-    assert argv[setpriv + 1 : setpriv + 6] == [
+    assert argv[setpriv + 1 : setpriv + 10] == [
         "--reuid=1000",
         "--regid=1001",
         "--groups",
         "5,6",
+        "--inh-caps=-all",
+        "--ambient-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
         "--",
     ]
     assert argv[-2:] == ["vmm", "--flag"]
@@ -139,9 +143,32 @@ def test_cgroup_must_be_a_cgroup_directory(tmp_path: Path) -> None:
         command_line(_spec(tmp_path, ("vmm",), cgroup=Path("relative")))
 
 
-def test_jail_is_not_supported_yet(tmp_path: Path) -> None:
+def test_jail_runs_in_a_private_mount_namespace(tmp_path: Path) -> None:
+    jail = Jail(root=tmp_path / "jail", hides=tmp_path / "data", workdir=tmp_path / "data/vm")
+    argv = command_line(_spec(tmp_path, ("vmm",), jail=jail, oom_score_adj=1000))
+    assert argv[0].endswith("/unshare")
+    assert argv[1:5] == ["--mount", "--propagation", "private", "--"]
+    assert argv[5:7] == ["/bin/sh", "-c"]
+    assert "oom_score_adj" in argv[7] and "--rbind" in argv[7]
+    # The work directory goes to its place in the tree, then the tree over the data.
+    assert argv[9:13] == [
+        str(tmp_path / "data/vm"),
+        str(tmp_path / "jail/vm"),
+        str(tmp_path / "jail"),
+        str(tmp_path / "data"),
+    ]
+    assert argv[-1] == "vmm"
+
+
+def test_jail_workdir_must_be_inside_what_it_hides(tmp_path: Path) -> None:
+    jail = Jail(root=tmp_path / "jail", hides=tmp_path / "data", workdir=tmp_path / "vm")
     with pytest.raises(JailNotSupported):
-        command_line(_spec(tmp_path, ("vmm",), jail=Jail(root=tmp_path)))
+        command_line(_spec(tmp_path, ("vmm",), jail=jail))
+
+
+def test_oom_score_adj_range(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="oom_score_adj"):
+        command_line(_spec(tmp_path, ("vmm",), oom_score_adj=1001))
 
 
 def test_empty_command_is_refused(tmp_path: Path) -> None:
