@@ -143,8 +143,9 @@ class Config(BaseModel):
     # QEMU's seccomp filter (see agentenv.vmm.confine). Turn off only for development on
     # a host that lacks what confinement needs; the server refuses to start otherwise.
     confine_vmm: bool = True
-    # First id of the uid/gid blocks VMMs run as: each server takes a block of 65536 from
-    # here (chosen by its instance tag), far above the ids of real users.
+    # Base of the ids VMMs run as, far above those of real users: the group that opens
+    # root-only devices (/dev/kvm, /dev/net/tun), then a block of 65536 uids per server
+    # (chosen by its instance tag).
     vmm_id_base: int = Field(default=1_000_000_000, ge=100_000, le=3_000_000_000)
     # Memory a confined VMM may use beyond its guest's RAM (QEMU itself, its TCG
     # translation cache, device buffers), in MiB; its cgroup's memory limit.

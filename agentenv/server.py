@@ -78,6 +78,7 @@ def vmm_confinement(config: Config) -> confine.Confinement | None:
     confinement = confine.Confinement(
         data_dir=config.home.resolve(),
         id_base=confine.id_block(config.vmm_id_base, config.instance_tag),
+        device_gid=config.vmm_id_base,
         cgroups=VmmCgroups.detect(parent),
         memory_overhead_mib=config.vmm_memory_overhead_mib,
         pids_max=config.vmm_pids_max,

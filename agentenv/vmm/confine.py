@@ -59,9 +59,10 @@ class ConfinementError(Exception):
 
 
 def id_block(base: int, instance_tag: str) -> int:
-    """The first id of a server's block: ``base`` plus the low 12 bits of its instance
-    tag times :data:`IDS_PER_SERVER`, so servers sharing a host use separate ids."""
-    return base + (int(instance_tag, 16) & 0xFFF) * IDS_PER_SERVER
+    """The first id of a server's block: above ``base`` by one plus the low 12 bits of
+    its instance tag, times :data:`IDS_PER_SERVER`, so servers sharing a host use
+    separate ids (``base`` itself is the device group, see :attr:`Confinement.device_gid`)."""
+    return base + (1 + (int(instance_tag, 16) & 0xFFF)) * IDS_PER_SERVER
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Confinement:
 
     data_dir: Path
     id_base: int  # the block start: the VMM group; uids follow it
+    device_gid: int  # the group that opens root-only devices, shared by every server
     cgroups: VmmCgroups
     memory_overhead_mib: int
     pids_max: int
@@ -100,8 +102,9 @@ class Confinement:
 
     def device_groups(self) -> tuple[int, ...]:
         """Supplementary groups that open :data:`DEVICES`. A device only root may open
-        is given to the VMM group (read-write for the group); one that already has a
-        group keeps it, and that group is added."""
+        is given to :attr:`device_gid` (read-write for the group), which every server's
+        VMMs share, so no server's VMMs join another's group; a device that already has
+        a group keeps it, and that group is added."""
         if self._device_groups is not None:
             return self._device_groups
         groups: list[int] = []
@@ -114,8 +117,8 @@ class Confinement:
                 continue
             try:
                 if st.st_gid == 0:
-                    os.chown(device, -1, self.gid)
-                    gid = self.gid
+                    os.chown(device, -1, self.device_gid)
+                    gid = self.device_gid
                 else:
                     gid = st.st_gid
                 if st.st_mode & 0o060 != 0o060:
