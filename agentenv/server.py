@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     if os.geteuid() != 0:
         sys.exit("aenv-server: must run as root (it creates network namespaces, taps and VMs)")
     # A VMM (oom_score_adj 1000 when confined) is the OOM killer's choice, not the server.
-    confine.lower_server_oom_score()
+    oom_problem = confine.lower_server_oom_score()
+    if oom_problem:
+        log.warning("%s (VMMs are still the OOM killer's first choice)", oom_problem)
     try:
         app, orchestrator, _ = build_app(config)
     except (NodeSetupError, ConfigError) as exc:

@@ -146,6 +146,23 @@ class Confinement:
         return VmmJail(self, self.uid_for(spec), workdir)
 
 
+def hidden_top(data_dir: Path) -> Path:
+    """The directory a jail is mounted over: the data directory, or its highest ancestor
+    that other users cannot traverse (a data directory inside a private directory),
+    since the VMM's uid could not walk through that to reach the jail."""
+    current = Path("/")
+    for part in data_dir.parts[1:]:
+        current = current / part
+        if current == data_dir:
+            break
+        try:
+            if current.stat().st_mode & 0o001 == 0:
+                return current
+        except OSError:
+            return current
+    return data_dir
+
+
 def jail_root(workdir: Path) -> Path:
     """Where the jail tree of the VMM working in ``workdir`` is built: beside it, in a
     directory the VMM itself cannot reach on the host."""
@@ -188,16 +205,20 @@ class VmmJail:
         self.workdir = workdir
         self.root = jail_root(workdir)
         self.cgroup_name = VmmCgroups.name_for(workdir)
+        self.hides = hidden_top(confinement.data_dir.resolve())
 
     @property
     def jail(self) -> Jail:
-        return Jail(root=self.root, hides=self.confinement.data_dir, workdir=self.workdir)
+        return Jail(root=self.root, hides=self.hides, workdir=self.workdir)
 
     def _inside(self, path: Path) -> Path | None:
-        """``path`` relative to the data directory, or None if it is outside."""
-        for base in (self.confinement.data_dir, self.confinement.data_dir.resolve()):
+        """Where ``path`` goes in the jail tree (relative to :attr:`hides`) if it is under
+        the data directory, else None."""
+        data_dir = self.confinement.data_dir
+        for base in (data_dir, data_dir.resolve()):
             with contextlib.suppress(ValueError):
-                return Path(os.path.normpath(path)).relative_to(base)
+                inside = Path(os.path.normpath(path)).relative_to(base)
+                return data_dir.resolve().relative_to(self.hides) / inside
         return None
 
     def _make_dirs(self, relative: Path) -> Path:
@@ -322,7 +343,12 @@ def problems(cgroup_parent: str) -> list[str]:
     return found
 
 
-def lower_server_oom_score() -> None:
-    """Make the server the OOM killer's last choice among agentenv's processes."""
-    with contextlib.suppress(OSError):
+def lower_server_oom_score() -> str | None:
+    """Make the server the OOM killer's last choice among agentenv's processes. Lowering
+    needs ``CAP_SYS_RESOURCE``, which a container may not grant; then the VMMs' raised
+    score alone still puts them first. Returns why it could not, or None."""
+    try:
         Path("/proc/self/oom_score_adj").write_text(str(SERVER_OOM_SCORE_ADJ))
+    except OSError as exc:
+        return f"cannot lower the server's oom_score_adj: {exc}"
+    return None
