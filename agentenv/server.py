@@ -52,6 +52,8 @@ def choose_runtime(config: Config) -> NodeRuntime:
     if config.vmm == "firecracker" or (config.vmm == "auto" and probe.accel == "kvm"):
         binary = find_firecracker(config.firecracker)
         if binary is not None and probe.accel == "kvm":
+            if config.confine_vmm:
+                log.warning("Firecracker VMMs are not confined yet (uid, jail, cgroup)")
             return NodeRuntime(FirecrackerDriver(binary), "kvm", probe.reason)
         if config.vmm == "firecracker":
             why = "no Firecracker binary found" if binary is None else probe.reason

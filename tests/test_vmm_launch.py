@@ -254,7 +254,9 @@ async def test_netns_cgroup_and_user(tmp_path: Path, netns: str, cgroup: Path) -
         assert status["Uid"].split() == [str(NOBODY)] * 4
         assert status["Gid"].split() == [str(NOBODY)] * 4
         assert status["Groups"].split() == [str(NOBODY - 1)]
-        assert status["CapEff"] == "0000000000000000"
+        for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert status[caps] == "0000000000000000", caps
+        assert status["NoNewPrivs"] == "1"
         assert str(pid) in (cgroup / "cgroup.procs").read_text().split()
     finally:
         await process.kill()
@@ -280,3 +282,24 @@ async def test_missing_netns_stops_before_the_vmm(tmp_path: Path) -> None:
     assert await process.wait(10)
     assert process.returncode != 0
     assert "nsenter" in (tmp_path / "err.log").read_text()
+
+
+@needs_root
+async def test_jail_shows_only_its_tree_and_the_workdir(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "vm").mkdir(parents=True)
+    (data / "secret").write_text("secret\n")
+    (data / "shared").write_text("shared\n")
+    tree = tmp_path / "jail"
+    (tree / "vm").mkdir(parents=True)
+    os.link(data / "shared", tree / "shared")
+    script = f"ls {data}; cat {data}/shared; cat {data}/secret; echo made > {data}/vm/out"
+    jail = Jail(root=tree, hides=data, workdir=data / "vm")
+    process = launch(_spec(tmp_path, ("/bin/sh", "-c", script), jail=jail))
+    assert await process.wait(10)
+    # The tree's files and the work directory are there, nothing else of the data.
+    assert (tmp_path / "out.log").read_text().split() == ["shared", "vm", "shared"]
+    assert "secret" in (tmp_path / "err.log").read_text()
+    # Written through to the host's work directory; no mount leaked to the host.
+    assert (data / "vm" / "out").read_text() == "made\n"
+    assert str(data) not in Path("/proc/self/mounts").read_text()
