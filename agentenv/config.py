@@ -160,6 +160,21 @@ class Config(BaseModel):
     # are refused (507) below it. A size (512M, 20G) or a percentage of the filesystem
     # (5%); None: no floor.
     free_space_floor: str | None = None
+    # Run every VMM confined: its own uid, cgroup and mount namespace, no capabilities,
+    # QEMU's seccomp filter (see agentenv.vmm.confine). Turn off only for development on
+    # a host that lacks what confinement needs; the server refuses to start otherwise.
+    confine_vmm: bool = True
+    # Base of the ids VMMs run as, far above those of real users: the group that opens
+    # root-only devices (/dev/kvm, /dev/net/tun), then a block of 65536 uids per server
+    # (chosen by its instance tag).
+    vmm_id_base: int = Field(default=1_000_000_000, ge=100_000, le=3_000_000_000)
+    # Memory a confined VMM may use beyond its guest's RAM (QEMU itself, its TCG
+    # translation cache, device buffers), in MiB; its cgroup's memory limit.
+    vmm_memory_overhead_mib: int = Field(default=256, ge=32)
+    # Threads a confined VMM may have (its cgroup's pids limit).
+    vmm_pids_max: int = Field(default=512, ge=16)
+    # How much of a VM's console output is kept (the most recent), K/M/G suffixes.
+    console_log_size: str = "1M"
 
     # -- validation ----------------------------------------------------------------------
     @field_validator("listen")
@@ -196,6 +211,17 @@ class Config(BaseModel):
                 raise ValueError(
                     "expected a size such as 512M or 20G, or a percentage such as 5%"
                 ) from None
+        return text
+
+    @field_validator("console_log_size")
+    @classmethod
+    def _check_console_log_size(cls, text: str) -> str:
+        try:
+            size = parse_size(text)
+        except ConfigError:
+            raise ValueError("expected a positive size such as 512K or 1M") from None
+        if size < 16 * 1024:
+            raise ValueError("expected at least 16K")
         return text
 
     @field_validator("repository")
@@ -279,6 +305,10 @@ class Config(BaseModel):
         if self.free_space_floor is None:
             return 0
         return free_space_floor_bytes(self.free_space_floor, filesystem_bytes)
+
+    @property
+    def console_log_bytes(self) -> int:
+        return parse_size(self.console_log_size)
 
     @property
     def node_name(self) -> str:

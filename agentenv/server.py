@@ -22,8 +22,10 @@ from agentenv.config import Config, ConfigError
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.snapshots.objects import RepositoryError, open_store
 from agentenv.snapshots.repository import Repository
+from agentenv.vmm import confine
 from agentenv.vmm.accel import resolve_accelerator
 from agentenv.vmm.base import VMMDriver
+from agentenv.vmm.cgroups import VmmCgroups
 from agentenv.vmm.firecracker import FirecrackerDriver
 from agentenv.vmm.firecracker_binary import find_firecracker
 from agentenv.vmm.qemu import QemuDriver
@@ -56,11 +58,46 @@ def choose_runtime(config: Config) -> NodeRuntime:
     if config.vmm == "firecracker" or (config.vmm == "auto" and probe.accel == "kvm"):
         binary = find_firecracker(config.firecracker)
         if binary is not None and probe.accel == "kvm":
+            if config.confine_vmm:
+                log.warning("Firecracker VMMs are not confined yet (uid, jail, cgroup)")
             return NodeRuntime(FirecrackerDriver(binary), "kvm", probe.reason)
         if config.vmm == "firecracker":
             why = "no Firecracker binary found" if binary is None else probe.reason
             raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
-    return NodeRuntime(QemuDriver(), probe.accel, probe.reason)
+    driver = QemuDriver(confinement=vmm_confinement(config), console_limit=config.console_log_bytes)
+    return NodeRuntime(driver, probe.accel, probe.reason)
+
+
+def vmm_confinement(config: Config) -> confine.Confinement | None:
+    """How VMMs are confined on this node, after checking the host has what that needs;
+    None with ``confine_vmm`` off. Raises :class:`NodeSetupError` naming what is
+    missing."""
+    if not config.confine_vmm:
+        log.warning("confine_vmm is off: VMMs run as root, unconfined (development only)")
+        return None
+    parent = f"agentenv-{config.instance_tag}"
+    problems = confine.problems(parent)
+    if problems:
+        raise NodeSetupError(
+            "cannot confine VMMs: "
+            + "; ".join(problems)
+            + " (confine_vmm = false runs them unconfined, for development only)"
+        )
+    confinement = confine.Confinement(
+        data_dir=config.home.resolve(),
+        id_base=confine.id_block(config.vmm_id_base, config.instance_tag),
+        device_gid=config.vmm_id_base,
+        cgroups=VmmCgroups.detect(parent),
+        memory_overhead_mib=config.vmm_memory_overhead_mib,
+        pids_max=config.vmm_pids_max,
+    )
+    try:
+        confinement.prepare_host()
+    except confine.ConfinementError as exc:
+        raise NodeSetupError(f"cannot confine VMMs: {exc}") from exc
+    # Cgroups of VMMs that exited while no server watched them.
+    confinement.cgroups.reclaim()
+    return confinement
 
 
 def build_app(config: Config) -> tuple[FastAPI, Orchestrator, str]:
@@ -104,15 +141,20 @@ def collect_garbage(config: Config, grace_s: float) -> None:
 def make_data_private(home: Path) -> int:
     """Take group and other permissions off the data directory and what is in it (a data
     directory made by an older server was 0755 with 0644 files). Entries owned by another
-    user are left alone: the server gave them away on purpose (a confined VMM's files).
+    user are left alone: the server gave them away on purpose (a confined VMM's files);
+    root's entries in another group (what confined VMMs only read, given to their group)
+    keep their group bits and lose only the others'.
     ``oci/`` is tightened but not entered: a guest root tree being built there keeps the
     modes its image gave it. Returns how many entries changed."""
     changed = 0
 
     def tighten(path: str, st: os.stat_result) -> None:
         nonlocal changed
-        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-            os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077, follow_symlinks=False)
+        if st.st_uid != os.geteuid():
+            return
+        strip = 0o077 if st.st_gid == os.getegid() else 0o007
+        if st.st_mode & strip:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~strip, follow_symlinks=False)
             changed += 1
 
     if not home.is_dir():
@@ -169,6 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     tightened = make_data_private(config.home)
     if tightened:
         log.info("took group/other permissions off %d entries in %s", tightened, config.home)
+    # A VMM (oom_score_adj 1000 when confined) is the OOM killer's choice, not the server.
+    oom_problem = confine.lower_server_oom_score()
+    if oom_problem:
+        log.warning("%s (VMMs are still the OOM killer's first choice)", oom_problem)
     try:
         app, orchestrator, _ = build_app(config)
     except (NodeSetupError, ConfigError) as exc:

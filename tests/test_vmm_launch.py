@@ -106,16 +106,20 @@ def test_chain_joins_cgroup_then_netns_then_drops_privileges(tmp_path: Path) -> 
     )
     argv = command_line(spec)
     assert argv[:2] == ["/bin/sh", "-c"]
-    assert argv[3] == str(fake_cgroup)
+    assert argv[4] == str(fake_cgroup)
     nsenter = argv.index("--net=/run/netns/ns1")
     assert argv[nsenter - 1].endswith("/nsenter")
     setpriv = next(i for i, part in enumerate(argv) if part.endswith("/setpriv"))
     assert nsenter < setpriv
-    assert argv[setpriv + 1 : setpriv + 6] == [
+    assert argv[setpriv + 1 : setpriv + 10] == [
         "--reuid=1000",
         "--regid=1001",
         "--groups",
         "5,6",
+        "--inh-caps=-all",
+        "--ambient-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
         "--",
     ]
     assert argv[-2:] == ["vmm", "--flag"]
@@ -139,9 +143,32 @@ def test_cgroup_must_be_a_cgroup_directory(tmp_path: Path) -> None:
         command_line(_spec(tmp_path, ("vmm",), cgroup=Path("relative")))
 
 
-def test_jail_is_not_supported_yet(tmp_path: Path) -> None:
+def test_jail_runs_in_a_private_mount_namespace(tmp_path: Path) -> None:
+    jail = Jail(root=tmp_path / "jail", hides=tmp_path / "data", workdir=tmp_path / "data/vm")
+    argv = command_line(_spec(tmp_path, ("vmm",), jail=jail, oom_score_adj=1000))
+    assert argv[0].endswith("/unshare")
+    assert argv[1:5] == ["--mount", "--propagation", "private", "--"]
+    assert argv[5:7] == ["/bin/sh", "-c"]
+    assert "oom_score_adj" in argv[7] and "--rbind" in argv[7]
+    # The work directory goes to its place in the tree, then the tree over the data.
+    assert argv[9:13] == [
+        str(tmp_path / "data/vm"),
+        str(tmp_path / "jail/vm"),
+        str(tmp_path / "jail"),
+        str(tmp_path / "data"),
+    ]
+    assert argv[-1] == "vmm"
+
+
+def test_jail_workdir_must_be_inside_what_it_hides(tmp_path: Path) -> None:
+    jail = Jail(root=tmp_path / "jail", hides=tmp_path / "data", workdir=tmp_path / "vm")
     with pytest.raises(JailNotSupported):
-        command_line(_spec(tmp_path, ("vmm",), jail=Jail(root=tmp_path)))
+        command_line(_spec(tmp_path, ("vmm",), jail=jail))
+
+
+def test_oom_score_adj_range(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="oom_score_adj"):
+        command_line(_spec(tmp_path, ("vmm",), oom_score_adj=1001))
 
 
 def test_empty_command_is_refused(tmp_path: Path) -> None:
@@ -227,7 +254,9 @@ async def test_netns_cgroup_and_user(tmp_path: Path, netns: str, cgroup: Path) -
         assert status["Uid"].split() == [str(NOBODY)] * 4
         assert status["Gid"].split() == [str(NOBODY)] * 4
         assert status["Groups"].split() == [str(NOBODY - 1)]
-        assert status["CapEff"] == "0000000000000000"
+        for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert status[caps] == "0000000000000000", caps
+        assert status["NoNewPrivs"] == "1"
         assert str(pid) in (cgroup / "cgroup.procs").read_text().split()
     finally:
         await process.kill()
@@ -253,3 +282,24 @@ async def test_missing_netns_stops_before_the_vmm(tmp_path: Path) -> None:
     assert await process.wait(10)
     assert process.returncode != 0
     assert "nsenter" in (tmp_path / "err.log").read_text()
+
+
+@needs_root
+async def test_jail_shows_only_its_tree_and_the_workdir(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "vm").mkdir(parents=True)
+    (data / "secret").write_text("secret\n")
+    (data / "shared").write_text("shared\n")
+    tree = tmp_path / "jail"
+    (tree / "vm").mkdir(parents=True)
+    os.link(data / "shared", tree / "shared")
+    script = f"ls {data}; cat {data}/shared; cat {data}/secret; echo made > {data}/vm/out"
+    jail = Jail(root=tree, hides=data, workdir=data / "vm")
+    process = launch(_spec(tmp_path, ("/bin/sh", "-c", script), jail=jail))
+    assert await process.wait(10)
+    # The tree's files and the work directory are there, nothing else of the data.
+    assert (tmp_path / "out.log").read_text().split() == ["shared", "vm", "shared"]
+    assert "secret" in (tmp_path / "err.log").read_text()
+    # Written through to the host's work directory; no mount leaked to the host.
+    assert (data / "vm" / "out").read_text() == "made\n"
+    assert str(data) not in Path("/proc/self/mounts").read_text()

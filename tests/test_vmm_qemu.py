@@ -44,6 +44,8 @@ from agentenv.vmm.base import (
     VMMStartError,
     VMRunState,
 )
+from agentenv.vmm.cgroups import VmmCgroups
+from agentenv.vmm.confine import Confinement
 from agentenv.vmm.process import read_cmdline
 from agentenv.vmm.qemu import QemuDriver, QemuVM
 
@@ -161,8 +163,16 @@ def test_argv_tcg_boot(tmp_path: Path) -> None:
     assert "-smp 2 -m 256M" in line
     assert f"mem-path={tmp_path}/ram,share=on" in line
     # Commas in paths are doubled so they cannot start a new option.
-    assert f"id=root,file={tmp_path}/disk,,1.raw,format=raw,if=none -device" in line
-    assert "id=tools,file=" in line and "format=qcow2,if=none,readonly=on" in line
+    # Writable drives give freed blocks back to the host; read-only ones have none.
+    assert (
+        f"id=root,file={tmp_path}/disk,,1.raw,format=raw,if=none,"
+        "discard=unmap,detect-zeroes=unmap -device"
+    ) in line
+    assert "id=tools,file=" in line and "format=qcow2,if=none,readonly=on -device" in line
+    # The console is appended to (and kept within its bound by the VM's handle); an
+    # unconfined VMM has no seccomp filter.
+    assert f"file,id=console,path={tmp_path}/w/console.log,append=on" in line
+    assert "-sandbox" not in argv
     assert line.index("drive=root") < line.index("drive=tools")
     assert "-device virtio-balloon-device" in line
     assert "-incoming" not in argv and "-S" not in argv
@@ -177,6 +187,22 @@ def test_argv_kvm_restore_and_private_ram(tmp_path: Path) -> None:
     assert "share=off" in " ".join(boot)
     # Restore differs from boot only by the trailing incoming options.
     assert restore == [*boot, "-S", "-incoming", "defer"]
+
+
+def test_argv_confined_has_the_seccomp_filter(tmp_path: Path) -> None:
+    confinement = Confinement(
+        data_dir=tmp_path,
+        id_base=2_000_000_000,
+        device_gid=1_999_999_999,
+        cgroups=VmmCgroups(2, "agentenv-test", (tmp_path,), ("memory", "cpu", "pids")),
+        memory_overhead_mib=256,
+        pids_max=512,
+    )
+    argv = QemuDriver(confinement=confinement).build_argv(_plain_spec(tmp_path), tmp_path / "w")
+    sandbox = argv.index("-sandbox")
+    assert argv[sandbox + 1] == (
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+    )
 
 
 @pytest.mark.parametrize(

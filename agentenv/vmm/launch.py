@@ -12,19 +12,23 @@ one, so the pid :func:`launch` returns is the VMM's once the chain has run, and 
 runs in the forked server between ``fork`` and ``exec`` (no ``preexec_fn``, which is not
 safe in a process with threads). The chain, in the order the privileges are needed:
 
-1. ``/bin/sh`` writes its own pid to ``<cgroup>/cgroup.procs``: the process joins the
-   cgroup before the VMM starts, so everything the VMM allocates is charged there (a
-   cgroup v2 move does not carry memory charged earlier). If the write fails the shell
-   exits and the VMM never runs outside its cgroup.
-2. ``nsenter --net=/run/netns/NAME`` switches the network namespace only. ``ip netns exec``
+1. With a jail, ``unshare --mount`` gives the process a private mount namespace (mounts
+   made in it never reach the host, and later host mounts do not reach it).
+2. ``/bin/sh`` writes its own pid to each ``<cgroup>/cgroup.procs``: the process joins
+   its cgroups before the VMM starts, so everything the VMM allocates is charged there (a
+   cgroup move does not carry memory charged earlier). It sets ``oom_score_adj`` and,
+   with a jail, makes the mounts: the VMM's own directory over its place in the jail
+   tree, then the jail tree over the directory it hides. If any step fails the shell
+   exits and the VMM never runs unconfined.
+3. ``nsenter --net=/run/netns/NAME`` switches the network namespace only. ``ip netns exec``
    would also give the VMM a private mount namespace with its own ``/sys``, so paths the
    host mounts later (snapshot destinations) could differ from what the VMM sees.
-3. ``setpriv`` sets the real, effective and saved uid and gid and the supplementary
-   groups. It comes last because joining a cgroup and entering a namespace need root, and
-   ``Popen(user=...)`` would drop root before the first of them.
+4. ``setpriv`` sets the real, effective and saved uid and gid and the supplementary
+   groups, empties the inheritable, ambient and bounding capability sets and sets
+   ``no_new_privs``. It comes last because joining a cgroup, mounting and entering a
+   namespace need root, and ``Popen(user=...)`` would drop root before the first of them.
 
-With none of these set (today's default) the VMM is executed directly, as root, exactly
-as before. A jail is not implemented yet: setting one raises :class:`JailNotSupported`.
+With none of these set the VMM is executed directly, as root, exactly as before.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ NETNS_DIR = Path("/run/netns")
 # under /run/netns and must not leave it.
 _NETNS_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 
-# Runs as "$0 = cgroup directory, $@ = the rest of the chain".
-_JOIN_CGROUP_SCRIPT = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
+# The shell step's name ($0); its positional parameters are consumed by the script.
+_SHELL_NAME = "agentenv-launch"
 
 
 class LaunchError(VMMStartError):
@@ -56,7 +60,8 @@ class LaunchError(VMMStartError):
 
 
 class JailNotSupported(LaunchError):
-    """A jail was asked for; confining VMMs is not implemented yet."""
+    """A jail was asked for that cannot be set up (paths not absolute, or its own
+    directory not inside the directory it hides)."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +76,18 @@ class Credentials:
 
 @dataclass(frozen=True)
 class Jail:
-    """Where a VMM is to be confined (a chroot-like directory it sees as ``/``).
+    """A directory tree the VMM sees in place of another one.
 
-    A placeholder for the security work that confines VMMs: :func:`launch` refuses it
-    with :class:`JailNotSupported` until that lands."""
+    In the VMM's own mount namespace, ``root`` (a tree the caller built, holding only
+    what the VMM may open, at the same relative paths) is mounted over ``hides``, so
+    absolute paths the VMM was given (and those inside its disk images) still resolve,
+    but nothing else under ``hides`` is there. ``workdir``, a directory under ``hides``
+    the VMM writes to and the host reads live (sockets, logs), is mounted at its own path
+    inside that tree first. Paths outside ``hides`` are left as the host has them."""
 
     root: Path
+    hides: Path
+    workdir: Path
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,8 @@ class LaunchSpec:
     the user to run as, ``cgroup`` an existing cgroup directory to join (its
     ``cgroup.procs`` is written), ``jail`` where to confine the VMM. ``None`` leaves each
     as the server's: host namespace, root, the server's cgroup, no confinement.
+    ``more_cgroups`` are further cgroup directories to join (one per controller
+    hierarchy on a cgroup v1 host), ``oom_score_adj`` the VMM's OOM-killer bias.
     """
 
     argv: tuple[str, ...]
@@ -106,6 +119,8 @@ class LaunchSpec:
     credentials: Credentials | None = None
     cgroup: Path | None = None
     jail: Jail | None = None
+    more_cgroups: tuple[Path, ...] = ()
+    oom_score_adj: int | None = None
 
 
 def _tool(name: str) -> str:
@@ -115,19 +130,58 @@ def _tool(name: str) -> str:
     return path
 
 
+def _check_cgroup(path: Path) -> None:
+    if not path.is_absolute() or not (path / "cgroup.procs").is_file():
+        raise LaunchError(f"{path} is not a cgroup directory")
+
+
+def _jail_mount_points(jail: Jail) -> tuple[Path, Path]:
+    """Where, in the jail tree, the work directory is mounted; and the hidden directory."""
+    for path in (jail.root, jail.hides, jail.workdir):
+        if not path.is_absolute():
+            raise JailNotSupported(f"jail path {path} is not absolute")
+    try:
+        inside = jail.workdir.relative_to(jail.hides)
+    except ValueError:
+        raise JailNotSupported(f"{jail.workdir} is not inside {jail.hides}") from None
+    return jail.root / inside, jail.hides
+
+
+def _shell_step(spec: LaunchSpec) -> list[str]:
+    """The ``/bin/sh`` step (cgroups, OOM bias, jail mounts), or nothing if none is
+    needed. Paths go in as positional parameters, never into the script text."""
+    script: list[str] = []
+    params: list[str] = []
+    for cgroup in (*((spec.cgroup,) if spec.cgroup is not None else ()), *spec.more_cgroups):
+        _check_cgroup(cgroup)
+        script.append('echo $$ > "$1/cgroup.procs" || exit 1; shift')
+        params.append(str(cgroup))
+    if spec.oom_score_adj is not None:
+        if not -1000 <= spec.oom_score_adj <= 1000:
+            raise LaunchError(f"oom_score_adj {spec.oom_score_adj} is not in -1000..1000")
+        script.append(f"echo {int(spec.oom_score_adj)} > /proc/self/oom_score_adj || exit 1")
+    if spec.jail is not None:
+        workdir_in_jail, hides = _jail_mount_points(spec.jail)
+        mount = _tool("mount")
+        # rbind for the tree: a plain bind would leave the work directory mount behind.
+        script.append(f'{mount} --bind "$1" "$2" && {mount} --rbind "$3" "$4" || exit 1; shift 4')
+        params += [str(spec.jail.workdir), str(workdir_in_jail), str(spec.jail.root), str(hides)]
+    if not script:
+        return []
+    script.append('exec "$@"')
+    return ["/bin/sh", "-c", "\n".join(script), _SHELL_NAME, *params]
+
+
 def command_line(spec: LaunchSpec) -> list[str]:
     """The full command :func:`launch` runs for ``spec``: the privilege steps chained in
     front of the VMM's argv, each exec'ing the next. Raises :class:`LaunchError` for a
     spec that cannot be carried out."""
     if not spec.argv:
         raise LaunchError("a VMM needs a command line")
-    if spec.jail is not None:
-        raise JailNotSupported(f"confining a VMM to {spec.jail.root} is not implemented yet")
     chain: list[str] = []
-    if spec.cgroup is not None:
-        if not spec.cgroup.is_absolute() or not (spec.cgroup / "cgroup.procs").is_file():
-            raise LaunchError(f"{spec.cgroup} is not a cgroup directory")
-        chain += ["/bin/sh", "-c", _JOIN_CGROUP_SCRIPT, str(spec.cgroup)]
+    if spec.jail is not None:
+        chain += [_tool("unshare"), "--mount", "--propagation", "private", "--"]
+    chain += _shell_step(spec)
     if spec.netns is not None:
         if not _NETNS_NAME.match(spec.netns) or spec.netns in (".", ".."):
             raise LaunchError(f"network namespace name {spec.netns!r} is not valid")
@@ -144,6 +198,10 @@ def command_line(spec: LaunchSpec) -> list[str]:
             f"--reuid={creds.uid}",
             f"--regid={creds.gid}",
             *groups,
+            "--inh-caps=-all",
+            "--ambient-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
             "--",
         ]
     return [*chain, *spec.argv]

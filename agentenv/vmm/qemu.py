@@ -13,17 +13,28 @@ leave a truncated snapshot behind while reporting success.
 
 Each VMM runs in its own session, with everything needed to find it again (pid, argv,
 spec) in ``<workdir>/vm.json``, so a restarted server can :meth:`QemuDriver.attach` to it.
+
+With a :class:`~agentenv.vmm.confine.Confinement` every QEMU runs as its own uid, in its
+own cgroup and jail (see :mod:`agentenv.vmm.confine`), under QEMU's seccomp filter
+(``-sandbox``; nothing here needs QEMU to spawn a process). The guest console goes to
+``console.log`` opened for appending, which a task of the VM's handle keeps within a
+byte bound by cutting its oldest part (``FALLOC_FL_COLLAPSE_RANGE``), so a guest
+flooding its serial port cannot fill the host's disk, and the file the server reads on a
+failed boot stays where it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +56,7 @@ from agentenv.vmm.base import (
     VMRunState,
     VMStats,
 )
+from agentenv.vmm.confine import Confinement, ConfinementError, VmmJail
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, read_cmdline
 
@@ -66,6 +78,16 @@ _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 
 _LOG_TAIL_BYTES = 3000
+
+#: Default bound of a VM's console.log, in bytes.
+CONSOLE_LIMIT_BYTES = 1024 * 1024
+#: How often a VM's console.log is checked against its bound: a guest writing its serial
+#: port flat out (about 1 MB/s under TCG) gets this much past it at most.
+CONSOLE_CHECK_INTERVAL_S = 0.5
+#: QEMU's seccomp filter for confined VMMs.
+SANDBOX_OPTION = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+_FALLOC_FL_COLLAPSE_RANGE = 0x08
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def _opt_path(path: Path) -> str:
@@ -98,16 +120,71 @@ _MAX_SOCKET_PATH = 107
 SHORT_SOCKET_DIR = Path("/run/agentenv")
 
 
-def qmp_socket_path(workdir: Path) -> Path:
+def qmp_socket_path(workdir: Path, *, own_directory: bool = False) -> Path:
     """Where a VM's QMP socket lives: in its work directory, unless that path is too long
     for a Unix socket; then under /run with a name derived from the work directory (so
-    :meth:`QemuDriver.attach` finds it again)."""
+    :meth:`QemuDriver.attach` finds it again). With ``own_directory`` (a confined VMM,
+    which cannot create files in the root-only /run directory) that is a directory of its
+    own there, holding the socket."""
     path = workdir / QMP_SOCKET
     if len(str(path).encode()) <= _MAX_SOCKET_PATH:
         return path
     SHORT_SOCKET_DIR.mkdir(mode=0o700, exist_ok=True)
     digest = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:24]
+    if own_directory:
+        return SHORT_SOCKET_DIR / f"qmp-{digest}" / QMP_SOCKET
     return SHORT_SOCKET_DIR / f"qmp-{digest}.sock"
+
+
+def _remove_socket(socket_path: Path) -> None:
+    """Remove a QMP socket kept outside the work directory (the work directory goes with
+    the sandbox; a socket outside it must too)."""
+    if socket_path.parent == SHORT_SOCKET_DIR:
+        socket_path.unlink(missing_ok=True)
+    elif socket_path.parent.parent == SHORT_SOCKET_DIR:
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def bound_file(path: Path, limit: int) -> None:
+    """Keep ``path`` (a log another process appends to) within about ``limit`` bytes by
+    cutting its oldest part once it is larger: whole filesystem blocks are collapsed out
+    of its head, leaving the most recent ``limit // 2`` bytes or a little more. Where the
+    filesystem cannot collapse ranges, the tail is copied to the head and the file
+    truncated (a write landing in between may be lost)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size <= limit:
+        return
+    block = os.statvfs(path).f_bsize
+    drop = (size - limit // 2) // block * block
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if (
+            drop > 0
+            and _libc.fallocate(
+                fd, _FALLOC_FL_COLLAPSE_RANGE, ctypes.c_long(0), ctypes.c_long(drop)
+            )
+            == 0
+        ):
+            return
+        keep = limit // 2
+        os.lseek(fd, max(0, size - keep), os.SEEK_SET)
+        tail = os.read(fd, keep)
+        os.pwrite(fd, tail, 0)
+        os.ftruncate(fd, len(tail))
+    finally:
+        os.close(fd)
+
+
+async def _bound_console(path: Path, limit: int) -> None:
+    while True:
+        await asyncio.sleep(CONSOLE_CHECK_INTERVAL_S)
+        try:
+            bound_file(path, limit)
+        except OSError:
+            pass
 
 
 def _check_spec(spec: MachineSpec) -> None:
@@ -143,7 +220,14 @@ def _check_spec(spec: MachineSpec) -> None:
 def _prepare_workdir(spec: MachineSpec, workdir: Path) -> None:
     _check_spec(spec)
     workdir.mkdir(parents=True, exist_ok=True)
-    for path in (qmp_socket_path(workdir), workdir / PID_FILE, workdir / VM_RECORD):
+    # The console is opened for appending (see bound_file): start each run empty, as
+    # before, when QEMU truncated it.
+    for path in (
+        qmp_socket_path(workdir),
+        workdir / PID_FILE,
+        workdir / VM_RECORD,
+        workdir / CONSOLE_LOG,
+    ):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -154,6 +238,8 @@ class _Launch:
 
     process: VMMProcess
     qmp: Any  # qemu.qmp.QMPClient (untyped library)
+    socket_path: Path
+    jail: VmmJail | None = None
 
 
 class QemuVM(VirtualMachine):
@@ -169,6 +255,9 @@ class QemuVM(VirtualMachine):
         state: VMRunState,
         command_timeout: float,
         migration_timeout: float,
+        socket_path: Path,
+        jail: VmmJail | None = None,
+        console_limit: int | None = None,
     ) -> None:
         self.spec = spec
         self.workdir = workdir
@@ -177,7 +266,14 @@ class QemuVM(VirtualMachine):
         self._state = state
         self._command_timeout = command_timeout
         self._migration_timeout = migration_timeout
+        self._socket_path = socket_path
+        self._jail = jail
         self._closed = False
+        self._console_task: asyncio.Task[None] | None = None
+        if console_limit is not None:
+            self._console_task = asyncio.get_running_loop().create_task(
+                _bound_console(workdir / CONSOLE_LOG, console_limit)
+            )
 
     def __repr__(self) -> str:
         return f"<QemuVM pid={self.pid} state={self.state} workdir={self.workdir}>"
@@ -297,6 +393,9 @@ class QemuVM(VirtualMachine):
                 "qemu-img", "create", "-q", "-f", "qcow2", "-u",
                 "-b", str(sealed), "-F", "qcow2", str(new_top), str(size),
             )  # fmt: skip
+            if self._jail is not None:
+                # QEMU opens the new top by name, in its jail and as its own uid.
+                self._jail.admit(new_top, writable=True)
             await self.execute(
                 "blockdev-add",
                 {
@@ -312,6 +411,8 @@ class QemuVM(VirtualMachine):
             if added:
                 with contextlib.suppress(VMMError):
                     await self.execute("blockdev-del", {"node-name": new_node})
+            if isinstance(exc, ConfinementError):
+                exc = VMMCommandError(str(exc))
             for path in (new_top, sealed):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
@@ -332,14 +433,18 @@ class QemuVM(VirtualMachine):
             if not await self._process.wait(timeout):
                 await self._process.kill()
         await self._disconnect()
+        await self._release_confinement()
 
     async def kill(self) -> None:
         await self._process.kill()
         await self._disconnect()
-        socket_path = qmp_socket_path(self.workdir)
-        if socket_path.parent == SHORT_SOCKET_DIR:
-            # The work directory goes with the sandbox; a socket outside it must too.
-            socket_path.unlink(missing_ok=True)
+        _remove_socket(self._socket_path)
+        await self._release_confinement()
+
+    async def _release_confinement(self) -> None:
+        """Once the process is gone: its jail tree and cgroup go too."""
+        if self._jail is not None and not self._process.alive():
+            await asyncio.to_thread(self._jail.cleanup)
 
     async def stats(self) -> VMStats:
         pid = self.pid
@@ -358,6 +463,9 @@ class QemuVM(VirtualMachine):
         self._process.detach()
 
     async def _disconnect(self) -> None:
+        if self._console_task is not None:
+            self._console_task.cancel()
+            self._console_task = None
         if self._closed:
             return
         self._closed = True
@@ -487,12 +595,20 @@ class QemuDriver(VMMDriver):
         connect_timeout: float = 10.0,
         command_timeout: float = 30.0,
         migration_timeout: float = 300.0,
+        confinement: Confinement | None = None,
+        console_limit: int | None = CONSOLE_LIMIT_BYTES,
     ) -> None:
         self.qemu_binary = qemu_binary
         self.tb_size_mib = tb_size_mib
         self.connect_timeout = connect_timeout
         self.command_timeout = command_timeout
         self.migration_timeout = migration_timeout
+        self.confinement = confinement
+        self.console_limit = console_limit
+        self._host_prepared = False
+
+    def _socket_path(self, workdir: Path) -> Path:
+        return qmp_socket_path(workdir, own_directory=self.confinement is not None)
 
     # -- command line ----------------------------------------------------------------------
 
@@ -529,6 +645,10 @@ class QemuDriver(VMMDriver):
             opts = f"id={drive.drive_id},file={_opt_path(drive.path)},format={drive.fmt},if=none"
             if drive.read_only:
                 opts += ",readonly=on"
+            else:
+                # Blocks the guest frees (fstrim, discard mounts) and zeroes it writes
+                # are given back to the host file instead of staying allocated.
+                opts += ",discard=unmap,detect-zeroes=unmap"
             argv += ["-drive", opts, "-device", f"virtio-blk-device,drive={drive.drive_id}"]
         if spec.net is not None:
             argv += [
@@ -537,11 +657,13 @@ class QemuDriver(VMMDriver):
             ]  # fmt: skip
         argv += [
             "-device", "virtio-balloon-device",
-            "-chardev", f"file,id=console,path={_opt_path(workdir / CONSOLE_LOG)}",
+            "-chardev", f"file,id=console,path={_opt_path(workdir / CONSOLE_LOG)},append=on",
             "-serial", "chardev:console",
-            "-qmp", f"unix:{_opt_path(qmp_socket_path(workdir))},server=on,wait=off",
+            "-qmp", f"unix:{_opt_path(self._socket_path(workdir))},server=on,wait=off",
             "-pidfile", str(workdir / PID_FILE),
         ]  # fmt: skip
+        if self.confinement is not None:
+            argv += ["-sandbox", SANDBOX_OPTION]
         if incoming:
             # -S keeps the guest paused after the incoming migration whatever run state
             # the source recorded; restore() decides whether to continue.
@@ -601,6 +723,8 @@ class QemuDriver(VMMDriver):
                 await _execute(qmp, process, "cont", None, timeout)
         except BaseException as exc:
             await self._abandon(process, qmp)
+            if launch.jail is not None:
+                await asyncio.to_thread(launch.jail.cleanup)
             if not isinstance(exc, Exception):
                 raise
             raise VMMStartError(
@@ -615,6 +739,7 @@ class QemuDriver(VMMDriver):
             pid = int(record["pid"])
             argv = list(record["argv"])
             spec = MachineSpec.from_dict(record["spec"])
+            socket_path = Path(record.get("qmp_socket") or qmp_socket_path(workdir))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise VMMGone(f"no usable {VM_RECORD} in {workdir}: {exc}") from exc
         if read_cmdline(pid) != argv:
@@ -624,7 +749,7 @@ class QemuDriver(VMMDriver):
         except ProcessLookupError as exc:
             raise VMMGone(f"process {pid} from {workdir} is gone") from exc
         try:
-            qmp = await self._connect_qmp(process, qmp_socket_path(workdir))
+            qmp = await self._connect_qmp(process, socket_path)
         except VMMStartError as exc:
             gone = not process.alive()
             process.detach()
@@ -641,7 +766,8 @@ class QemuDriver(VMMDriver):
                 await qmp.disconnect()
             raise
         state = VMRunState.RUNNING if status.get("running") else VMRunState.PAUSED
-        launch = _Launch(process=process, qmp=qmp)
+        jail = self.confinement.jail_for(spec, workdir) if self.confinement else None
+        launch = _Launch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
         return self._handle(spec, workdir, launch, state)
 
     # -- internals ---------------------------------------------------------------------------
@@ -657,38 +783,82 @@ class QemuDriver(VMMDriver):
             state=state,
             command_timeout=self.command_timeout,
             migration_timeout=self.migration_timeout,
+            socket_path=launch.socket_path,
+            jail=launch.jail,
+            console_limit=self.console_limit,
         )
 
     async def _launch(self, spec: MachineSpec, workdir: Path, *, incoming: bool) -> _Launch:
         _prepare_workdir(spec, workdir)
         qemu_argv = self.build_argv(spec, workdir, incoming=incoming)
-        process = launch(
-            LaunchSpec(
-                argv=tuple(qemu_argv),
-                cwd=workdir,
-                stdout=workdir / PROCESS_LOG,
-                stderr=workdir / PROCESS_LOG,
-                append_output=True,
-                netns=spec.net.netns if spec.net is not None else None,
-            )
+        socket_path = self._socket_path(workdir)
+        launch_spec = LaunchSpec(
+            argv=tuple(qemu_argv),
+            cwd=workdir,
+            stdout=workdir / PROCESS_LOG,
+            stderr=workdir / PROCESS_LOG,
+            append_output=True,
+            netns=spec.net.netns if spec.net is not None else None,
         )
+        jail: VmmJail | None = None
+        if self.confinement is not None:
+            jail = self.confinement.jail_for(spec, workdir)
+            try:
+                launch_spec = self._confine(launch_spec, spec, jail, socket_path)
+            except ConfinementError as exc:
+                jail.cleanup(0)
+                raise VMMStartError(f"cannot confine QEMU: {exc}") from exc
         try:
-            self._write_record(workdir, process.pid, qemu_argv, spec)
-            qmp = await self._connect_qmp(process, qmp_socket_path(workdir))
+            process = launch(launch_spec)
+        except BaseException:
+            if jail is not None:
+                jail.cleanup(0)
+            raise
+        try:
+            self._write_record(workdir, process.pid, qemu_argv, spec, socket_path)
+            qmp = await self._connect_qmp(process, socket_path)
         except BaseException as exc:
             await self._abandon(process, None)
+            if jail is not None:
+                await asyncio.to_thread(jail.cleanup)
             if not isinstance(exc, Exception):
                 raise
             raise VMMStartError(f"QEMU did not come up: {exc}\n{_logs_tail(workdir)}") from exc
-        return _Launch(process=process, qmp=qmp)
+        return _Launch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
+
+    def _confine(
+        self, launch_spec: LaunchSpec, spec: MachineSpec, jail: VmmJail, socket_path: Path
+    ) -> LaunchSpec:
+        """``launch_spec`` with the VMM's uid, cgroups, OOM bias and jail, after giving it
+        the files it opens."""
+        confinement = jail.confinement
+        if not self._host_prepared:
+            confinement.prepare_host()
+            self._host_prepared = True
+        jail.build(spec)
+        if socket_path.parent != launch_spec.cwd:
+            socket_path.parent.mkdir(mode=0o700, exist_ok=True)
+            os.chown(socket_path.parent, jail.uid, confinement.gid)
+            SHORT_SOCKET_DIR.chmod(0o711)
+        cgroups = jail.create_cgroup(spec)
+        return replace(
+            launch_spec,
+            credentials=confinement.credentials(spec),
+            cgroup=cgroups[0],
+            more_cgroups=cgroups[1:],
+            oom_score_adj=confinement.oom_score_adj,
+            jail=jail.jail,
+        )
 
     @staticmethod
-    def _write_record(workdir: Path, pid: int, argv: list[str], spec: MachineSpec) -> None:
+    def _write_record(
+        workdir: Path, pid: int, argv: list[str], spec: MachineSpec, socket_path: Path
+    ) -> None:
         record = {
             "driver": QemuDriver.name,
             "pid": pid,
             "argv": argv,
-            "qmp_socket": str(qmp_socket_path(workdir)),
+            "qmp_socket": str(socket_path),
             "spec": spec.to_dict(),
         }
         tmp = workdir / f".{VM_RECORD}.tmp"
