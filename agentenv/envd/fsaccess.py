@@ -11,6 +11,12 @@ So user file operations run on a small dedicated thread pool, each call switchin
 worker's credentials before the operation and back after it. glibc's ``setgroups()``
 would change every thread of the process, so the supplementary groups are set with the
 raw system call, which (like setfsuid/setfsgid) touches only the calling thread.
+
+:func:`call_as` is the one switch, used by the /files routes, every filesystem RPC and the
+directory watchers. Besides the file workers it may run on the event loop's thread (the
+watchers' inotify callbacks, which must add a watch before the next event is read): the
+switch, the operation and the restore are one synchronous call there, so no other
+request's code runs on that thread while it holds a user's credentials.
 """
 
 from __future__ import annotations
@@ -64,7 +70,10 @@ def _set_fs_ids(uid: int, gid: int) -> None:
         raise AccessSwitchError(f"setfsuid/setfsgid to {uid}:{gid} did not take effect")
 
 
-def _call_as(user: OSUser, operation: Callable[[], T]) -> T:
+def call_as(user: OSUser, operation: Callable[[], T]) -> T:
+    """Run ``operation()`` on the calling thread with ``user``'s filesystem permissions,
+    and give the thread envd's own back afterwards. It must not yield to other work
+    (no event loop iteration inside), since the credentials belong to the thread."""
     euid = os.geteuid()
     if user.uid == euid and (euid != 0 or user.gid == 0):
         return operation()  # already this user (or root acting as root)
@@ -90,7 +99,7 @@ async def run_as(user: OSUser, operation: Callable[..., T], *args: object) -> T:
     """Run ``operation(*args)`` on a file worker with ``user``'s filesystem permissions."""
     loop = asyncio.get_running_loop()
     call = functools.partial(operation, *args)
-    return await loop.run_in_executor(_executor, _call_as, user, call)
+    return await loop.run_in_executor(_executor, call_as, user, call)
 
 
 async def run_io(operation: Callable[..., T], *args: object) -> T:
