@@ -185,6 +185,27 @@ async def test_move(fs: FilesystemClient, tree: Tree) -> None:
     assert raised.value.code == Code.NOT_FOUND
 
 
+async def test_move_across_filesystems(fs: FilesystemClient, tree: Tree) -> None:
+    """A move from tmpfs to the tree's filesystem copies, as the user, on a file worker."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tree.base.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    mine = Path(tempfile.mkdtemp(prefix="envd-users-", dir=shm))
+    try:
+        nobody = pwd.getpwnam("nobody")
+        os.chown(mine, nobody.pw_uid, nobody.pw_gid)
+        (mine / "f").write_bytes(b"across")
+        request = MoveRequest(source=str(mine / "f"), destination=str(tree.locked / "f"))
+        await denied(fs.move(request, headers=NOBODY))
+        assert not (tree.locked / "f").exists()
+        request = MoveRequest(source=str(mine / "f"), destination=str(tree.open / "f"))
+        assert (await fs.move(request, headers=NOBODY)).entry.size == 6
+        assert not (mine / "f").exists()
+        assert (tree.open / "f").stat().st_uid == nobody.pw_uid
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
 async def test_remove(fs: FilesystemClient, tree: Tree) -> None:
     for path in (tree.secret, tree.kept, tree.inner, tree.private, tree.locked):
         await denied(fs.remove(RemoveRequest(path=str(path)), headers=NOBODY))

@@ -3,7 +3,7 @@ watchers (WatchDir streams; CreateWatcher/GetWatcherEvents/RemoveWatcher poll) o
 guest's filesystem, with E2B's envd error codes (section 4.6 of the protocol reference).
 
 envd runs as root, but every RPC touches the filesystem with the request user's
-permissions (``fsaccess.run_as``, the mechanism the /files routes use): a request as
+permissions (``fsaccess``, the mechanism the /files routes use): a request as
 ``user`` cannot stat, list, move or remove what that user could not, directories it makes
 belong to that user, and watchers see only what that user may read. EACCES and EPERM
 answer ``permission_denied``, which the SDK raises as a SandboxException. (Go's envd does
@@ -150,8 +150,9 @@ def _make_dirs(path: str) -> None:
         os.mkdir(directory, 0o755)
 
 
-# The RPCs' filesystem work, each run whole on a file worker as the request's user
-# (fsaccess.run_as). A path the user may not search fails with EACCES there, so these
+# The RPCs' filesystem work, each run whole as the request's user: inline on the event
+# loop (fsaccess.call_as) when it touches one path, on a file worker (fsaccess.run_as)
+# when it walks a tree. A path the user may not search fails with EACCES there, so these
 # stat explicitly where os.path.exists() and friends would take EACCES for "missing".
 
 
@@ -204,10 +205,20 @@ def _move(source: str, destination: str) -> filesystem_pb.EntryInfo:
     return entry_info(destination)
 
 
+class _CrossDevice(Exception):
+    """A move needs copying across filesystems, which is left to a file worker."""
+
+
+def _move_across(source: str, destination: str) -> filesystem_pb.EntryInfo:
+    shutil.move(source, destination)
+    return entry_info(destination)
+
+
 def _rename(source: str, destination: str) -> None:
-    """``shutil.move(source, destination)``, except that only a rename across filesystems
-    (EXDEV) falls back to copying: shutil copies after any failed rename, so a user who
-    may read a file but not move it (EACCES) would be left holding a copy of it."""
+    """``shutil.move(source, destination)`` as far as a rename goes; raises _CrossDevice
+    where shutil would copy. Only EXDEV may lead to a copy: shutil copies after any
+    failed rename, so a user who may read a file but not move it (EACCES) would be left
+    holding a copy of it."""
     target = destination
     if os.path.isdir(destination):
         try:
@@ -223,17 +234,26 @@ def _rename(source: str, destination: str) -> None:
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-        shutil.move(source, destination)
+        raise _CrossDevice from None
 
 
-def _remove(path: str) -> None:
+def _remove(path: str) -> bool:
+    """Remove ``path`` unless it is a directory; True when it is one (a tree to remove
+    with _remove_tree on a file worker)."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
+            return True
+        os.remove(path)
     except FileNotFoundError:
         pass  # removing what is not there succeeds, as os.RemoveAll does
+    return False
+
+
+def _remove_tree(path: str) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
 
 
 class PolledWatcher:
@@ -264,7 +284,7 @@ def filesystem_event(
     entry: filesystem_pb.EntryInfo | None = None
     if include_entry and event.type in _ENTRY_EVENTS:
         try:
-            entry = call_as(user, lambda: entry_info(event.path))
+            entry = call_as(user, entry_info, event.path)
         except OSError:
             entry = None  # already gone again, or not the user's to see
     return filesystem_pb.FilesystemEvent(
@@ -300,7 +320,7 @@ class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
     async def stat(self, request: filesystem_pb.StatRequest, ctx: _Ctx) -> Any:
         path, user = self._resolve(request.path, ctx)
         try:
-            return filesystem_pb.StatResponse(entry=await run_as(user, entry_info, path))
+            return filesystem_pb.StatResponse(entry=call_as(user, entry_info, path))
         except OSError as e:
             raise _os_error(e, path) from None
 
@@ -316,7 +336,7 @@ class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
     async def make_dir(self, request: filesystem_pb.MakeDirRequest, ctx: _Ctx) -> Any:
         path, user = self._resolve(request.path, ctx)
         try:
-            return filesystem_pb.MakeDirResponse(entry=await run_as(user, _make_dir, path))
+            return filesystem_pb.MakeDirResponse(entry=call_as(user, _make_dir, path))
         except OSError as e:
             raise _os_error(e, path) from None
 
@@ -324,7 +344,10 @@ class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
         source, user = self._resolve(request.source, ctx)
         destination, _ = self._resolve(request.destination, ctx)
         try:
-            entry = await run_as(user, _move, source, destination)
+            try:
+                entry = call_as(user, _move, source, destination)
+            except _CrossDevice:
+                entry = await run_as(user, _move_across, source, destination)
         except OSError as e:
             raise _os_error(e, destination) from None
         return filesystem_pb.MoveResponse(entry=entry)
@@ -332,7 +355,8 @@ class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
     async def remove(self, request: filesystem_pb.RemoveRequest, ctx: _Ctx) -> Any:
         path, user = self._resolve(request.path, ctx)
         try:
-            await run_as(user, _remove, path)
+            if call_as(user, _remove, path):
+                await run_as(user, _remove_tree, path)
         except OSError as e:
             raise _os_error(e, path) from None
         return filesystem_pb.RemoveResponse()
@@ -344,7 +368,7 @@ class FilesystemService(filesystem_connect.Filesystem):  # type: ignore[misc]
     ) -> tuple[str, OSUser]:
         root, user = self._resolve(path, ctx)
         try:
-            await run_as(user, _check_watchable, root)
+            call_as(user, _check_watchable, root)
         except OSError as e:
             raise _os_error(e, root) from None
         if not allow_network_mounts and is_network_mount(root):
