@@ -11,6 +11,15 @@ So user file operations run on a small dedicated thread pool, each call switchin
 worker's credentials before the operation and back after it. glibc's ``setgroups()``
 would change every thread of the process, so the supplementary groups are set with the
 raw system call, which (like setfsuid/setfsgid) touches only the calling thread.
+
+:func:`call_as` is the one switch, used by the /files routes, every filesystem RPC and the
+directory watchers. Besides the file workers it also runs on the event loop's thread, for
+operations that touch one path (Stat, MakeDir, a rename, unlinking a file) and for the
+watchers' inotify callbacks: under TCG, handing a call to a worker and back cost about
+3 ms in the guest, the switch and restore about 0.4 ms. The switch, the operation and the
+restore are one synchronous call there, so no other request's code runs on that thread
+while it holds a user's credentials. What may take long (a listing, removing a tree,
+anything streaming) goes to the workers, so it does not hold up other requests.
 """
 
 from __future__ import annotations
@@ -64,17 +73,20 @@ def _set_fs_ids(uid: int, gid: int) -> None:
         raise AccessSwitchError(f"setfsuid/setfsgid to {uid}:{gid} did not take effect")
 
 
-def _call_as(user: OSUser, operation: Callable[[], T]) -> T:
+def call_as(user: OSUser, operation: Callable[..., T], *args: object) -> T:
+    """Run ``operation(*args)`` on the calling thread with ``user``'s filesystem
+    permissions, and give the thread envd's own back afterwards. It must not yield to
+    other work (no event loop iteration inside): the credentials belong to the thread."""
     euid = os.geteuid()
     if user.uid == euid and (euid != 0 or user.gid == 0):
-        return operation()  # already this user (or root acting as root)
+        return operation(*args)  # already this user (or root acting as root)
     if euid != 0:
         raise PermissionError(f"envd is not root, so it cannot access files as {user.name!r}")
     saved_groups = os.getgroups()
     try:
         _set_thread_groups(user.groups)
         _set_fs_ids(user.uid, user.gid)
-        return operation()
+        return operation(*args)
     finally:
         try:
             _set_fs_ids(0, os.getegid())
@@ -89,8 +101,7 @@ def _call_as(user: OSUser, operation: Callable[[], T]) -> T:
 async def run_as(user: OSUser, operation: Callable[..., T], *args: object) -> T:
     """Run ``operation(*args)`` on a file worker with ``user``'s filesystem permissions."""
     loop = asyncio.get_running_loop()
-    call = functools.partial(operation, *args)
-    return await loop.run_in_executor(_executor, _call_as, user, call)
+    return await loop.run_in_executor(_executor, functools.partial(call_as, user, operation, *args))
 
 
 async def run_io(operation: Callable[..., T], *args: object) -> T:

@@ -10,6 +10,11 @@ created or moved into its tree.
 Uploads are staged in a hidden file beside the target and renamed over it (see
 ``files``). Watchers hide the staging files and report the final rename as CREATE then
 WRITE, which is what a watcher of E2B's envd (which writes in place) sees.
+
+A watcher made for a user adds its watches with that user's permissions
+(``fsaccess.call_as``): inotify_add_watch needs read permission on the directory, checked
+against the calling thread's credentials, so a recursive watch skips the subdirectories
+the user may not read and reports no names from inside them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+
+from .fsaccess import call_as
+from .users import OSUser
 
 logger = logging.getLogger("agentenv.envd")
 
@@ -131,10 +139,13 @@ class DirectoryWatcher:
         *,
         recursive: bool,
         sink: Callable[[WatchEvent], None],
+        user: OSUser | None = None,
     ) -> None:
+        """``user``: whose permissions the watches are added with (None: envd's own)."""
         self.root = root
         self.recursive = recursive
         self._sink = sink
+        self._user = user
         self._loop = asyncio.get_running_loop()
         self._fd = _check(_libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         #: wd -> directory path relative to root ("" for the root).
@@ -143,9 +154,7 @@ class DirectoryWatcher:
         self._staging_cookies: set[int] = set()
         self._closed = False
         try:
-            self._add(root, "")
-            if recursive:
-                self._add_subtree(root, "")
+            self._follow(root, "", subtree=recursive)
         except BaseException:
             os.close(self._fd)
             raise
@@ -160,6 +169,19 @@ class DirectoryWatcher:
         self._dirs.clear()
 
     # -- watches -------------------------------------------------------------------
+
+    def _follow(self, path: str, relative: str, *, subtree: bool) -> None:
+        """Watch ``path`` (and every directory below it if ``subtree``) as the user."""
+
+        def add() -> None:
+            self._add(path, relative)
+            if subtree:
+                self._add_subtree(path, relative)
+
+        if self._user is None:
+            add()
+        else:
+            call_as(self._user, add)
 
     def _add(self, path: str, relative: str) -> None:
         wd = _check(
@@ -237,10 +259,9 @@ class DirectoryWatcher:
         if mask & (IN_CREATE | IN_MOVED_TO):
             if is_dir and self.recursive:
                 try:
-                    self._add(absolute, relative)
-                    self._add_subtree(absolute, relative)
+                    self._follow(absolute, relative, subtree=True)
                 except WatchError:
-                    pass  # already gone again
+                    pass  # already gone again, or not the user's to read
             self._emit(relative, EventType.CREATE, absolute)
         if mask & IN_MODIFY:
             self._emit(relative, EventType.WRITE, absolute)

@@ -142,7 +142,8 @@ def test_only_exact_public_routes_skip_the_token(
     """/health and /files are public (envd checks /files' signature itself); anything
     that merely starts with them, such as the filesystem RPCs, needs the token."""
     route = {"E2b-Sandbox-Id": secured["sandboxID"]}
-    list_dir = json.dumps({"path": "/root", "depth": 1}).encode()
+    # A directory the sandbox's default user (``user``) may list: envd lists as that user.
+    list_dir = json.dumps({"path": "/home/user", "depth": 1}).encode()
     json_rpc = {"Content-Type": "application/json", "Connect-Protocol-Version": "1"}
     for target in ("/filesystem.Filesystem/ListDir", "/filesystem.Filesystem/Stat"):
         refused = raw_http(server.port, "POST", target, {**route, **json_rpc}, list_dir)
