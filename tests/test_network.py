@@ -418,3 +418,196 @@ def test_pick_free_subnet_skips_blocks_in_use() -> None:
     finally:
         asyncio.run(manager.destroy(0))
     assert pick_free_subnet(0) == first
+
+
+# -- egress policy, against a fake internet -------------------------------------------------
+#
+# A namespace "<prefix>-net-guest" stands in for everything beyond the host: the manager is
+# told a veth into it is the default interface, and it holds public-looking, link-local and
+# private addresses with host routes to them, as a LAN, a metadata service or the internet
+# would be reached through the uplink.
+
+UPLINK_HOST = "198.51.100.1"  # the host's address on the fake uplink (TEST-NET-2)
+UPLINK_FAR = "198.51.100.2"
+PUBLIC = "203.0.113.5"  # TEST-NET-3: "the internet"
+OTHER_PUBLIC = "203.0.113.6"
+METADATA = "169.254.169.254"
+PRIVATE_10 = "10.254.77.5"
+PRIVATE_192 = "192.168.77.5"
+FAR_ADDRESSES = (PUBLIC, OTHER_PUBLIC, METADATA, PRIVATE_10, PRIVATE_192)
+
+
+def _build_fake_internet(prefix: str) -> tuple[str, str]:
+    """(uplink interface on the host, namespace beyond it)."""
+    far, uplink = f"{prefix}-net-guest", f"{prefix}xn"
+    netns.create(far)
+    with IPRoute() as host:
+        host.link("add", ifname=uplink, kind="veth", peer={"ifname": "eth0", "net_ns_fd": far})
+        index = host.link_lookup(ifname=uplink)[0]
+        host.addr("add", index=index, address=UPLINK_HOST, prefixlen=30)
+        host.link("set", index=index, state="up")
+        for address in FAR_ADDRESSES:
+            host.route("add", dst=f"{address}/32", gateway=UPLINK_FAR)
+    with IPRoute(netns=far) as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        eth0 = ipr.link_lookup(ifname="eth0")[0]
+        ipr.addr("add", index=eth0, address=UPLINK_FAR, prefixlen=30)
+        for address in FAR_ADDRESSES:
+            ipr.addr("add", index=eth0, address=address, prefixlen=32)
+        ipr.link("set", index=eth0, state="up")
+        ipr.route("add", dst="0.0.0.0/0", gateway=UPLINK_HOST)
+    return uplink, far
+
+
+@pytest.fixture
+async def internet(manager: NetworkManager, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """The fake internet's namespace; the manager sends sandboxes' traffic into it."""
+    with _host_ip_forward_preserved():
+        uplink, far = await asyncio.to_thread(_build_fake_internet, manager.prefix)
+        monkeypatch.setattr("agentenv.network.manager._default_interface", lambda: uplink)
+        yield far
+
+
+def _listen(ns: str, kind: socket.SocketKind, address: str, port: int) -> socket.socket:
+    sock: socket.socket = netns.create_socket(ns, socket.AF_INET, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.settimeout(2)
+    if kind == socket.SOCK_STREAM:
+        sock.listen(16)
+    return sock
+
+
+def _reachable(guest: str, far: str, addresses: tuple[str, ...]) -> set[str]:
+    """Which of `addresses` (listeners in `far`, or on the host when not there) a TCP
+    connection from the guest reaches."""
+    reached = set()
+    for address in addresses:
+        ns = far if address in (*FAR_ADDRESSES, UPLINK_FAR) else None
+        listener = _listen(ns, socket.SOCK_STREAM, address, PORT) if ns else None
+        host_listener = None if ns else socket.create_server((address, PORT))
+        try:
+            if _guest_can_connect(guest, address, PORT):
+                reached.add(address)
+        finally:
+            for sock in (listener, host_listener):
+                if sock is not None:
+                    sock.close()
+    return reached
+
+
+def _guest_dns_arrives(guest: str, far: str, server: str, kind: socket.SocketKind) -> bool:
+    with _listen(far, kind, server, 53) as listener:
+        client = netns.create_socket(guest, socket.AF_INET, kind)
+        client.settimeout(1)
+        try:
+            if kind == socket.SOCK_DGRAM:
+                client.sendto(b"query", (server, 53))
+                return listener.recvfrom(64)[0] == b"query"
+            client.connect((server, 53))
+            return True
+        except OSError:
+            return False
+        finally:
+            client.close()
+
+
+@needs_root
+async def test_blocked_ranges_open_only_when_named(manager: NetworkManager, internet: str) -> None:
+    net = await manager.create(40, policy=EgressPolicy(allow_internet=True))
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    # Only the public address: not the host (its uplink address, its veth end), not the
+    # host's connected network, not link-local, RFC 1918 or another sandbox's block.
+    probes = (PUBLIC, METADATA, PRIVATE_10, PRIVATE_192, UPLINK_FAR, UPLINK_HOST, net.host_ip)
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {PUBLIC}
+
+    opened = EgressPolicy.parse(
+        allow_internet=True, allow_out=[METADATA, "10.254.77.0/24", "0.0.0.0/0", UPLINK_FAR]
+    )
+    await manager.update_policy(40, opened)
+    # Named ranges open; 0.0.0.0/0 names none of them; the host's own addresses stay shut.
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {
+        PUBLIC,
+        METADATA,
+        PRIVATE_10,
+        UPLINK_FAR,
+    }
+
+
+@needs_root
+async def test_allow_out_deny_out_and_allow_internet(
+    manager: NetworkManager, internet: str
+) -> None:
+    probes = (PUBLIC, OTHER_PUBLIC)
+    net = await manager.create(
+        41, policy=EgressPolicy.parse(allow_internet=True, deny_out=["203.0.113.0/24"])
+    )
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == set()
+
+    # allow_out wins over deny_out.
+    await manager.update_policy(
+        41, EgressPolicy.parse(allow_internet=True, allow_out=[PUBLIC], deny_out=["0.0.0.0/0"])
+    )
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {PUBLIC}
+
+    # Without internet access, allow_out is all that leaves.
+    await manager.update_policy(41, EgressPolicy.parse(allow_internet=False, allow_out=[PUBLIC]))
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {PUBLIC}
+
+    await manager.update_policy(41, EgressPolicy(allow_internet=False))
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == set()
+    assert not await asyncio.to_thread(
+        _guest_dns_arrives, guest, internet, PUBLIC, socket.SOCK_DGRAM
+    )
+    # Nothing may leave, so the host no longer forwards or masquerades for the slot.
+    assert f"agentenv_{manager.prefix}/slot41" not in await asyncio.to_thread(manager.resources)
+
+    await manager.update_policy(41, EgressPolicy(allow_internet=True))
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == set(probes)
+
+
+@needs_root
+async def test_dns_goes_only_to_the_named_servers(manager: NetworkManager, internet: str) -> None:
+    policy = EgressPolicy.parse(allow_internet=True, dns_servers=[PUBLIC, METADATA])
+    net = await manager.create(42, policy=policy)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        # A named server is reachable on port 53 even inside a blocked range ...
+        for server in (PUBLIC, METADATA):
+            assert await asyncio.to_thread(_guest_dns_arrives, guest, internet, server, kind)
+        # ... and no other server is, although the internet is open.
+        assert not await asyncio.to_thread(_guest_dns_arrives, guest, internet, OTHER_PUBLIC, kind)
+    # Port 53 is all naming a server opens.
+    assert await asyncio.to_thread(_reachable, guest, internet, (PUBLIC, METADATA)) == {PUBLIC}
+
+
+@needs_root
+async def test_policy_update_keeps_established_connections(
+    manager: NetworkManager, internet: str
+) -> None:
+    net = await manager.create(43, policy=EgressPolicy(allow_internet=True))
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    listener = await asyncio.to_thread(_listen, internet, socket.SOCK_STREAM, PUBLIC, PORT)
+    client = netns.create_socket(guest, socket.AF_INET, socket.SOCK_STREAM)
+    client.settimeout(2)
+    try:
+        await asyncio.to_thread(client.connect, (PUBLIC, PORT))
+        conn, _ = await asyncio.to_thread(listener.accept)
+        with conn:
+            await manager.update_policy(
+                43, EgressPolicy.parse(allow_internet=True, deny_out=[PUBLIC])
+            )
+            # The open connection continues; a new one is refused.
+            client.sendall(b"still open")
+            assert await asyncio.to_thread(conn.recv, 64) == b"still open"
+            assert not await asyncio.to_thread(_guest_can_connect, guest, PUBLIC, PORT)
+    finally:
+        client.close()
+        listener.close()
+
+
+@needs_root
+async def test_update_policy_needs_a_live_network(manager: NetworkManager) -> None:
+    with pytest.raises(NetworkError, match="no network"):
+        await manager.update_policy(44, EgressPolicy(allow_internet=True))
