@@ -14,6 +14,8 @@ import os
 import secrets
 import shutil
 import socket
+import ssl
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -611,3 +613,140 @@ async def test_policy_update_keeps_established_connections(
 async def test_update_policy_needs_a_live_network(manager: NetworkManager) -> None:
     with pytest.raises(NetworkError, match="no network"):
         await manager.update_policy(44, EgressPolicy(allow_internet=True))
+
+
+# -- host names: the egress filter ----------------------------------------------------------
+
+NAMES = {
+    "allowed.example": PUBLIC,
+    "api.wild.example": PUBLIC,
+    "meta.wild.example": METADATA,
+    "evil.example": OTHER_PUBLIC,
+}
+
+
+@contextmanager
+def _far_servers(far: str, ports: tuple[int, ...]) -> Iterator[None]:
+    """On every fake-internet address and port: read what arrives, answer with the
+    address that answered and the first line received, close."""
+    listeners = [
+        _listen(far, socket.SOCK_STREAM, address, port)
+        for address in FAR_ADDRESSES
+        for port in ports
+    ]
+
+    def serve(listener: socket.socket) -> None:
+        address = listener.getsockname()[0]
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                with suppress(OSError):
+                    received = conn.recv(65536)
+                    conn.sendall(f"{address} {received[:40]!r}".encode())
+
+    threads = [threading.Thread(target=serve, args=(sock,), daemon=True) for sock in listeners]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        for sock in listeners:
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def _client_hello(name: str) -> bytes:
+    """A real TLS ClientHello with SNI `name`, as Python's ssl module sends it."""
+    context = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname=name)
+    with suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _guest_exchange(guest: str, address: str, port: int, payload: bytes) -> str | None:
+    """What the far side answered to `payload` sent from the guest, or None if the
+    connection was refused or closed without an answer."""
+    sock = netns.create_socket(guest, socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(3)
+    try:
+        sock.connect((address, port))
+        sock.sendall(payload)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    return answer.decode() or None
+
+
+def _http(name: str) -> bytes:
+    return f"GET / HTTP/1.1\r\nHost: {name}\r\nAccept: */*\r\n\r\n".encode()
+
+
+async def _fake_resolve(name: str) -> list[ipaddress.IPv4Address]:
+    if name not in NAMES:
+        raise socket.gaierror(socket.EAI_NONAME, "unknown name")
+    return [ipaddress.IPv4Address(NAMES[name])]
+
+
+@needs_root
+async def test_host_names_are_decided_on_sni_and_host(
+    manager: NetworkManager, internet: str
+) -> None:
+    manager.egress_filter.resolve = _fake_resolve
+    policy = EgressPolicy.parse(
+        allow_internet=False, allow_out=["allowed.example", "*.wild.example"]
+    )
+    net = await manager.create(45, policy=policy)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    with _far_servers(internet, (80, 443, PORT)):
+
+        def exchange(address: str, port: int, payload: bytes) -> str | None:
+            return _guest_exchange(guest, address, port, payload)
+
+        # An allowed name reaches what it resolves to on the host ...
+        answer = await asyncio.to_thread(exchange, PUBLIC, 80, _http("allowed.example"))
+        assert answer is not None and answer.startswith(f"{PUBLIC} b'GET / HTTP/1.1")
+        answer = await asyncio.to_thread(exchange, PUBLIC, 443, _client_hello("api.wild.example"))
+        assert answer is not None and answer.startswith(f"{PUBLIC} b'\\x16\\x03")
+        # ... whatever address the guest sent it to: naming an allowed host never opens
+        # another server, nor the metadata service.
+        for address in (OTHER_PUBLIC, METADATA):
+            answer = await asyncio.to_thread(exchange, address, 80, _http("allowed.example"))
+            assert answer is not None and answer.startswith(PUBLIC)
+        # Other names, names that resolve into blocked ranges, no name: refused.
+        for address, port, payload in [
+            (OTHER_PUBLIC, 80, _http("evil.example")),
+            (OTHER_PUBLIC, 443, _client_hello("evil.example")),
+            (PUBLIC, 80, _http("meta.wild.example")),
+            (METADATA, 80, _http("meta.wild.example")),
+            (PUBLIC, 80, b"GET / HTTP/1.0\r\n\r\n"),
+            (PUBLIC, 443, b"\x16\x03\x01\x00\x05hello"),
+        ]:
+            assert await asyncio.to_thread(exchange, address, port, payload) is None, payload
+        # Other ports are decided by address alone.
+        assert await asyncio.to_thread(exchange, PUBLIC, PORT, _http("allowed.example")) is None
+
+        # The filter follows policy changes: a deny_out name, then no names at all.
+        await manager.update_policy(
+            45, EgressPolicy.parse(allow_internet=True, deny_out=["evil.example"])
+        )
+        assert await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("evil.example")) is None
+        answer = await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("other.example"))
+        assert answer is not None and answer.startswith(OTHER_PUBLIC)
+        await manager.update_policy(45, EgressPolicy(allow_internet=True))
+        assert not manager.egress_filter.serving(45)
+        answer = await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("evil.example"))
+        assert answer is not None and answer.startswith(OTHER_PUBLIC)
+    await manager.destroy(45)

@@ -48,6 +48,7 @@ from agentenv.network.addresses import (
     GUEST_PREFIX,
     TAP_NAME,
 )
+from agentenv.network.egress_filter import EgressFilter
 from agentenv.network.egress_rules import (
     NAMESPACE_TABLE,
     BlockedRanges,
@@ -55,7 +56,7 @@ from agentenv.network.egress_rules import (
     policy_chains,
     policy_update_script,
 )
-from agentenv.network.policy import EgressPolicy, PolicyError
+from agentenv.network.policy import EgressPolicy
 
 __all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
 
@@ -143,6 +144,8 @@ class NetworkManager:
         # Slots with a masquerade chain in the host table; None until read from the kernel.
         self._internet_slots: set[int] | None = None
         self._host_table_lock = asyncio.Lock()
+        # Relays the connections of sandboxes whose policy has host-name rules.
+        self.egress_filter = EgressFilter()
 
     # -- names and addresses --------------------------------------------------------------
 
@@ -181,13 +184,14 @@ class NetworkManager:
         """
         net = self.describe(slot)
         policy = policy or EgressPolicy()
-        self._check_enforceable(policy)
         async with self._slot_lock(slot):
             try:
                 await self._destroy_slot(slot)
-                await _run_blocking(self._build_namespace, net, policy)
+                blocked = await _run_blocking(self._build_namespace, net, policy)
                 if needs_uplink(policy):
                     await self._add_internet_access(slot, net)
+                if policy.has_hostname_rules:
+                    await self.egress_filter.serve(slot, net.netns, policy, blocked)
             except BaseException as exc:
                 await asyncio.shield(self._rollback(slot))
                 if isinstance(exc, NetworkError | asyncio.CancelledError):
@@ -207,29 +211,23 @@ class NetworkManager:
         manager's prefix built, including one lingering after a pause.
         """
         net = self.describe(slot)
-        self._check_enforceable(policy)
         async with self._slot_lock(slot):
             if net.netns not in await asyncio.to_thread(netns.listnetns):
                 raise NetworkError(f"slot {slot} has no network to change the policy of")
+            blocked = await asyncio.to_thread(self._current_blocked_ranges)
             # The host forwards a sandbox's traffic only while its namespace may let
             # something out; it is opened before the namespace rules allow anything and
-            # closed after they stop allowing it, so neither side is ever the only guard.
+            # closed after they stop allowing it. Likewise the filter listens before the
+            # namespace redirects to it, and stops after it no longer does.
             if needs_uplink(policy):
                 await self._add_internet_access(slot, net)
-            await _run_blocking(self._replace_policy_chains, net, policy)
+            if policy.has_hostname_rules:
+                await self.egress_filter.serve(slot, net.netns, policy, blocked)
+            await _run_blocking(self._replace_policy_chains, net, policy, blocked)
+            if not policy.has_hostname_rules:
+                await self.egress_filter.stop(slot)
             if not needs_uplink(policy):
                 await self._remove_internet_access(slot)
-
-    @staticmethod
-    def _check_enforceable(policy: EgressPolicy) -> None:
-        for field, rules in (("allowOut", policy.allow_out), ("denyOut", policy.deny_out)):
-            names = [str(rule) for rule in rules if rule.hostname is not None]
-            if names:
-                raise PolicyError(
-                    field,
-                    f"host names are not supported by this server (got {names[0]!r}); "
-                    "give IP addresses or CIDR networks",
-                )
 
     async def destroy(self, slot: int) -> None:
         """Remove the namespace, veth and host rules of `slot`; absent parts are fine.
@@ -277,7 +275,7 @@ class NetworkManager:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _build_namespace(self, net: SandboxNetwork, policy: EgressPolicy) -> None:
+    def _build_namespace(self, net: SandboxNetwork, policy: EgressPolicy) -> BlockedRanges:
         """Create and configure the namespace and veth. Blocking; runs in its own thread.
 
         The namespace side is configured from a thread that has entered the namespace
@@ -287,13 +285,14 @@ class NetworkManager:
         with _namespace_creation_lock:
             netns.create(net.netns)
         outcome: list[BaseException] = []
+        built: list[BlockedRanges] = []
 
         def configure() -> None:
             try:
                 with IPRoute() as host:  # opened before setns, so it stays in our namespace
                     netns.setns(net.netns, flags=0)
                     with IPRoute() as inside:
-                        self._configure(host, inside, net, policy)
+                        built.append(self._configure(host, inside, net, policy))
             except BaseException as exc:
                 outcome.append(exc)
 
@@ -303,10 +302,11 @@ class NetworkManager:
         worker.join()
         if outcome:
             raise outcome[0]
+        return built[0]
 
     def _configure(
         self, host: IPRoute, inside: IPRoute, net: SandboxNetwork, policy: EgressPolicy
-    ) -> None:
+    ) -> BlockedRanges:
         # Runs with the calling thread inside the namespace: /proc/sys/net and child
         # processes see the namespace, `host` is still bound to the root namespace.
         _write_sysctl("net/ipv4/ip_forward", "1")
@@ -322,22 +322,29 @@ class NetworkManager:
         except BaseException:
             nft.abandon()
             raise
-        nft.finish(self._namespace_ruleset(net, policy, self._blocked_ranges(host_networks)))
+        blocked = self._blocked_ranges(host_networks)
+        nft.finish(self._namespace_ruleset(net, policy, blocked))
+        return blocked
 
     def _blocked_ranges(self, host_networks: list[ipaddress.IPv4Network]) -> BlockedRanges:
         # The sandbox subnet is named even when it lies outside the fixed ranges (a
         # configured public-looking subnet): guests never reach the host's veth ends.
         return BlockedRanges([*host_networks, self.subnet])
 
-    def _replace_policy_chains(self, net: SandboxNetwork, policy: EgressPolicy) -> None:
+    def _current_blocked_ranges(self) -> BlockedRanges:
+        with IPRoute() as host:
+            return self._blocked_ranges(_host_networks(host))
+
+    @staticmethod
+    def _replace_policy_chains(
+        net: SandboxNetwork, policy: EgressPolicy, blocked: BlockedRanges
+    ) -> None:
         """Rewrite the policy's chains in `net`'s namespace in one nft transaction.
         Blocking; runs in its own thread, which it moves into the namespace."""
         outcome: list[BaseException] = []
 
         def replace() -> None:
             try:
-                with IPRoute() as host:
-                    blocked = self._blocked_ranges(_host_networks(host))
                 netns.setns(net.netns, flags=0)
                 nft = _NftRun()
                 nft.finish(policy_update_script(policy, blocked))
@@ -421,7 +428,7 @@ class NetworkManager:
             "        type nat hook prerouting priority dstnat; policy accept;\n"
             f'        iifname "{NAMESPACE_VETH}" ip daddr {net.guest_address} '
             f"meta l4proto {{ tcp, udp }} dnat to {GUEST_IP}\n"
-            f'        iifname "{TAP_NAME}" jump intercept\n'
+            f"        ip saddr {GUEST_IP} jump intercept\n"
             "    }\n"
             "    chain postrouting {\n"
             "        type nat hook postrouting priority srcnat; policy accept;\n"
@@ -533,6 +540,7 @@ class NetworkManager:
 
     async def _destroy_slot(self, slot: int) -> None:
         net = self.describe(slot)
+        await self.egress_filter.stop(slot)
         await _run_blocking(self._remove_by_name, [net.host_veth, net.netns])
         await self._remove_internet_access(slot)
 
