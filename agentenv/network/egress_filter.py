@@ -47,8 +47,11 @@ from agentenv.network.policy import EgressPolicy
 
 __all__ = [
     "EgressFilter",
+    "IncompleteName",
     "Resolver",
+    "Verdict",
     "decide_connection",
+    "name_of",
     "read_host_name",
     "resolve_on_host",
     "server_name_of",
@@ -68,21 +71,21 @@ _RELAY_CHUNK = 64 * 1024
 # -- reading the name ------------------------------------------------------------------------
 
 
-class _NeedMore(Exception):
+class IncompleteName(Exception):
     """The bytes so far are a prefix of a message that may still name a host."""
 
 
 def server_name_of(data: bytes) -> str | None:
     """The SNI host name of the TLS ClientHello at the start of `data`; None if `data`
-    is a complete ClientHello without one, or not TLS. :class:`_NeedMore` if cut short."""
+    is a complete ClientHello without one, or not TLS. :class:`IncompleteName` if cut short."""
     if len(data) < 5:
-        raise _NeedMore
+        raise IncompleteName
     if data[0] != 0x16 or data[1] != 0x03:
         return None
     record_length = struct.unpack_from(">H", data, 3)[0]
     body = data[5 : 5 + record_length]
     if len(body) < record_length:
-        raise _NeedMore
+        raise IncompleteName
     # Handshake header: type (1 = ClientHello) and a 3-byte length. A ClientHello split
     # across records is not followed: browsers and TLS libraries send it in one.
     if len(body) < 4 or body[0] != 0x01:
@@ -116,7 +119,7 @@ def server_name_of(data: bytes) -> str | None:
 def read_host_name(data: bytes) -> str | None:
     """The host name the HTTP/1 request head at the start of `data` is for (its ``Host``
     header, without the port); None if it is not an HTTP request or has no ``Host``.
-    :class:`_NeedMore` if the head is not complete yet."""
+    :class:`IncompleteName` if the head is not complete yet."""
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=_FIRST_BYTES_LIMIT)
     connection.receive_data(data)
     try:
@@ -124,7 +127,7 @@ def read_host_name(data: bytes) -> str | None:
     except h11.RemoteProtocolError:
         return None
     if event is h11.NEED_DATA:
-        raise _NeedMore
+        raise IncompleteName
     if not isinstance(event, h11.Request):
         return None
     for name, value in event.headers:
@@ -138,7 +141,7 @@ def read_host_name(data: bytes) -> str | None:
 
 def name_of(data: bytes) -> str | None:
     """The host name a connection's first bytes are for: SNI if they start a TLS
-    handshake, else the HTTP ``Host``. :class:`_NeedMore` if undecided yet."""
+    handshake, else the HTTP ``Host``. :class:`IncompleteName` if undecided yet."""
     if data[:1] == b"\x16":
         return server_name_of(data)
     return read_host_name(data)
@@ -371,7 +374,7 @@ class EgressFilter:
 def _safe_name(first: bytes) -> str | None:
     try:
         return name_of(first)
-    except _NeedMore:
+    except IncompleteName:
         return None
 
 
@@ -386,7 +389,7 @@ async def _read_first_bytes(reader: asyncio.StreamReader) -> bytes:
         data += chunk
         try:
             name_of(data)
-        except _NeedMore:
+        except IncompleteName:
             continue
         break
     return data
