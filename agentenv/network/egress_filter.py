@@ -66,6 +66,9 @@ _FIRST_BYTES_LIMIT = 16 * 1024  # a ClientHello or request head larger than this
 _FIRST_BYTES_TIMEOUT = 10.0
 _CONNECT_TIMEOUT = 10.0
 _RELAY_CHUNK = 64 * 1024
+# Connections one sandbox may have in the filter at once: each holds two sockets in the
+# server process, so a guest opening connections in a loop must not exhaust its files.
+MAX_CONNECTIONS_PER_SANDBOX = 256
 
 
 # -- reading the name ------------------------------------------------------------------------
@@ -312,7 +315,7 @@ class EgressFilter:
         self, slot: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         sandbox = self._sandboxes.get(slot)
-        if sandbox is None:
+        if sandbox is None or len(sandbox.connections) >= MAX_CONNECTIONS_PER_SANDBOX:
             writer.close()
             return
         task = asyncio.get_running_loop().create_task(self._handle(sandbox, reader, writer))
