@@ -14,6 +14,8 @@ import os
 import secrets
 import shutil
 import socket
+import ssl
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -418,3 +420,333 @@ def test_pick_free_subnet_skips_blocks_in_use() -> None:
     finally:
         asyncio.run(manager.destroy(0))
     assert pick_free_subnet(0) == first
+
+
+# -- egress policy, against a fake internet -------------------------------------------------
+#
+# A namespace "<prefix>-net-guest" stands in for everything beyond the host: the manager is
+# told a veth into it is the default interface, and it holds public-looking, link-local and
+# private addresses with host routes to them, as a LAN, a metadata service or the internet
+# would be reached through the uplink.
+
+UPLINK_HOST = "198.51.100.1"  # the host's address on the fake uplink (TEST-NET-2)
+UPLINK_FAR = "198.51.100.2"
+PUBLIC = "203.0.113.5"  # TEST-NET-3: "the internet"
+OTHER_PUBLIC = "203.0.113.6"
+METADATA = "169.254.169.254"
+PRIVATE_10 = "10.254.77.5"
+PRIVATE_192 = "192.168.77.5"
+FAR_ADDRESSES = (PUBLIC, OTHER_PUBLIC, METADATA, PRIVATE_10, PRIVATE_192)
+
+
+def _build_fake_internet(prefix: str) -> tuple[str, str]:
+    """(uplink interface on the host, namespace beyond it)."""
+    far, uplink = f"{prefix}-net-guest", f"{prefix}xn"
+    netns.create(far)
+    with IPRoute() as host:
+        host.link("add", ifname=uplink, kind="veth", peer={"ifname": "eth0", "net_ns_fd": far})
+        index = host.link_lookup(ifname=uplink)[0]
+        host.addr("add", index=index, address=UPLINK_HOST, prefixlen=30)
+        host.link("set", index=index, state="up")
+        for address in FAR_ADDRESSES:
+            host.route("add", dst=f"{address}/32", gateway=UPLINK_FAR)
+    with IPRoute(netns=far) as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        eth0 = ipr.link_lookup(ifname="eth0")[0]
+        ipr.addr("add", index=eth0, address=UPLINK_FAR, prefixlen=30)
+        for address in FAR_ADDRESSES:
+            ipr.addr("add", index=eth0, address=address, prefixlen=32)
+        ipr.link("set", index=eth0, state="up")
+        ipr.route("add", dst="0.0.0.0/0", gateway=UPLINK_HOST)
+    return uplink, far
+
+
+@pytest.fixture
+async def internet(manager: NetworkManager, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """The fake internet's namespace; the manager sends sandboxes' traffic into it."""
+    with _host_ip_forward_preserved():
+        uplink, far = await asyncio.to_thread(_build_fake_internet, manager.prefix)
+        monkeypatch.setattr("agentenv.network.manager._default_interface", lambda: uplink)
+        yield far
+
+
+def _listen(ns: str, kind: socket.SocketKind, address: str, port: int) -> socket.socket:
+    sock: socket.socket = netns.create_socket(ns, socket.AF_INET, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.settimeout(2)
+    if kind == socket.SOCK_STREAM:
+        sock.listen(16)
+    return sock
+
+
+def _reachable(guest: str, far: str, addresses: tuple[str, ...]) -> set[str]:
+    """Which of `addresses` (listeners in `far`, or on the host when not there) a TCP
+    connection from the guest reaches."""
+    reached = set()
+    for address in addresses:
+        ns = far if address in (*FAR_ADDRESSES, UPLINK_FAR) else None
+        listener = _listen(ns, socket.SOCK_STREAM, address, PORT) if ns else None
+        host_listener = None if ns else socket.create_server((address, PORT))
+        try:
+            if _guest_can_connect(guest, address, PORT):
+                reached.add(address)
+        finally:
+            for sock in (listener, host_listener):
+                if sock is not None:
+                    sock.close()
+    return reached
+
+
+def _guest_dns_arrives(guest: str, far: str, server: str, kind: socket.SocketKind) -> bool:
+    with _listen(far, kind, server, 53) as listener:
+        client = netns.create_socket(guest, socket.AF_INET, kind)
+        client.settimeout(1)
+        try:
+            if kind == socket.SOCK_DGRAM:
+                client.sendto(b"query", (server, 53))
+                return listener.recvfrom(64)[0] == b"query"
+            client.connect((server, 53))
+            return True
+        except OSError:
+            return False
+        finally:
+            client.close()
+
+
+@needs_root
+async def test_blocked_ranges_open_only_when_named(manager: NetworkManager, internet: str) -> None:
+    net = await manager.create(40, policy=EgressPolicy(allow_internet=True))
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    # Only the public address: not the host (its uplink address, its veth end), not the
+    # host's connected network, not link-local, RFC 1918 or another sandbox's block.
+    probes = (PUBLIC, METADATA, PRIVATE_10, PRIVATE_192, UPLINK_FAR, UPLINK_HOST, net.host_ip)
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {PUBLIC}
+
+    opened = EgressPolicy.parse(
+        allow_internet=True, allow_out=[METADATA, "10.254.77.0/24", "0.0.0.0/0", UPLINK_FAR]
+    )
+    await manager.update_policy(40, opened)
+    # Named ranges open; 0.0.0.0/0 names none of them; the host's own addresses stay shut.
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {
+        PUBLIC,
+        METADATA,
+        PRIVATE_10,
+        UPLINK_FAR,
+    }
+
+
+@needs_root
+async def test_allow_out_deny_out_and_allow_internet(
+    manager: NetworkManager, internet: str
+) -> None:
+    probes = (PUBLIC, OTHER_PUBLIC)
+    net = await manager.create(
+        41, policy=EgressPolicy.parse(allow_internet=True, deny_out=["203.0.113.0/24"])
+    )
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == set()
+
+    # allow_out wins over deny_out.
+    await manager.update_policy(
+        41, EgressPolicy.parse(allow_internet=True, allow_out=[PUBLIC], deny_out=["0.0.0.0/0"])
+    )
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {PUBLIC}
+
+    # Without internet access, allow_out is all that leaves.
+    await manager.update_policy(41, EgressPolicy.parse(allow_internet=False, allow_out=[PUBLIC]))
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == {PUBLIC}
+
+    await manager.update_policy(41, EgressPolicy(allow_internet=False))
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == set()
+    assert not await asyncio.to_thread(
+        _guest_dns_arrives, guest, internet, PUBLIC, socket.SOCK_DGRAM
+    )
+    # Nothing may leave, so the host no longer forwards or masquerades for the slot.
+    assert f"agentenv_{manager.prefix}/slot41" not in await asyncio.to_thread(manager.resources)
+
+    await manager.update_policy(41, EgressPolicy(allow_internet=True))
+    assert await asyncio.to_thread(_reachable, guest, internet, probes) == set(probes)
+
+
+@needs_root
+async def test_dns_goes_only_to_the_named_servers(manager: NetworkManager, internet: str) -> None:
+    policy = EgressPolicy.parse(allow_internet=True, dns_servers=[PUBLIC, METADATA])
+    net = await manager.create(42, policy=policy)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        # A named server is reachable on port 53 even inside a blocked range ...
+        for server in (PUBLIC, METADATA):
+            assert await asyncio.to_thread(_guest_dns_arrives, guest, internet, server, kind)
+        # ... and no other server is, although the internet is open.
+        assert not await asyncio.to_thread(_guest_dns_arrives, guest, internet, OTHER_PUBLIC, kind)
+    # Port 53 is all naming a server opens.
+    assert await asyncio.to_thread(_reachable, guest, internet, (PUBLIC, METADATA)) == {PUBLIC}
+
+
+@needs_root
+async def test_policy_update_keeps_established_connections(
+    manager: NetworkManager, internet: str
+) -> None:
+    net = await manager.create(43, policy=EgressPolicy(allow_internet=True))
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    listener = await asyncio.to_thread(_listen, internet, socket.SOCK_STREAM, PUBLIC, PORT)
+    client = netns.create_socket(guest, socket.AF_INET, socket.SOCK_STREAM)
+    client.settimeout(2)
+    try:
+        await asyncio.to_thread(client.connect, (PUBLIC, PORT))
+        conn, _ = await asyncio.to_thread(listener.accept)
+        with conn:
+            await manager.update_policy(
+                43, EgressPolicy.parse(allow_internet=True, deny_out=[PUBLIC])
+            )
+            # The open connection continues; a new one is refused.
+            client.sendall(b"still open")
+            assert await asyncio.to_thread(conn.recv, 64) == b"still open"
+            assert not await asyncio.to_thread(_guest_can_connect, guest, PUBLIC, PORT)
+    finally:
+        client.close()
+        listener.close()
+
+
+@needs_root
+async def test_update_policy_needs_a_live_network(manager: NetworkManager) -> None:
+    with pytest.raises(NetworkError, match="no network"):
+        await manager.update_policy(44, EgressPolicy(allow_internet=True))
+
+
+# -- host names: the egress filter ----------------------------------------------------------
+
+NAMES = {
+    "allowed.example": PUBLIC,
+    "api.wild.example": PUBLIC,
+    "meta.wild.example": METADATA,
+    "evil.example": OTHER_PUBLIC,
+}
+
+
+@contextmanager
+def _far_servers(far: str, ports: tuple[int, ...]) -> Iterator[None]:
+    """On every fake-internet address and port: read what arrives, answer with the
+    address that answered and the first line received, close."""
+    listeners = [
+        _listen(far, socket.SOCK_STREAM, address, port)
+        for address in FAR_ADDRESSES
+        for port in ports
+    ]
+
+    def serve(listener: socket.socket) -> None:
+        address = listener.getsockname()[0]
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                with suppress(OSError):
+                    received = conn.recv(65536)
+                    conn.sendall(f"{address} {received[:40]!r}".encode())
+
+    threads = [threading.Thread(target=serve, args=(sock,), daemon=True) for sock in listeners]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        for sock in listeners:
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def _client_hello(name: str) -> bytes:
+    """A real TLS ClientHello with SNI `name`, as Python's ssl module sends it."""
+    context = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname=name)
+    with suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _guest_exchange(guest: str, address: str, port: int, payload: bytes) -> str | None:
+    """What the far side answered to `payload` sent from the guest, or None if the
+    connection was refused or closed without an answer."""
+    sock = netns.create_socket(guest, socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(3)
+    try:
+        sock.connect((address, port))
+        sock.sendall(payload)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    return answer.decode() or None
+
+
+def _http(name: str) -> bytes:
+    return f"GET / HTTP/1.1\r\nHost: {name}\r\nAccept: */*\r\n\r\n".encode()
+
+
+async def _fake_resolve(name: str) -> list[ipaddress.IPv4Address]:
+    if name not in NAMES:
+        raise socket.gaierror(socket.EAI_NONAME, "unknown name")
+    return [ipaddress.IPv4Address(NAMES[name])]
+
+
+@needs_root
+async def test_host_names_are_decided_on_sni_and_host(
+    manager: NetworkManager, internet: str
+) -> None:
+    manager.egress_filter.resolve = _fake_resolve
+    policy = EgressPolicy.parse(
+        allow_internet=False, allow_out=["allowed.example", "*.wild.example"]
+    )
+    net = await manager.create(45, policy=policy)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    with _far_servers(internet, (80, 443, PORT)):
+
+        def exchange(address: str, port: int, payload: bytes) -> str | None:
+            return _guest_exchange(guest, address, port, payload)
+
+        # An allowed name reaches what it resolves to on the host ...
+        answer = await asyncio.to_thread(exchange, PUBLIC, 80, _http("allowed.example"))
+        assert answer is not None and answer.startswith(f"{PUBLIC} b'GET / HTTP/1.1")
+        answer = await asyncio.to_thread(exchange, PUBLIC, 443, _client_hello("api.wild.example"))
+        assert answer is not None and answer.startswith(f"{PUBLIC} b'\\x16\\x03")
+        # ... whatever address the guest sent it to: naming an allowed host never opens
+        # another server, nor the metadata service.
+        for address in (OTHER_PUBLIC, METADATA):
+            answer = await asyncio.to_thread(exchange, address, 80, _http("allowed.example"))
+            assert answer is not None and answer.startswith(PUBLIC)
+        # Other names, names that resolve into blocked ranges, no name: refused.
+        for address, port, payload in [
+            (OTHER_PUBLIC, 80, _http("evil.example")),
+            (OTHER_PUBLIC, 443, _client_hello("evil.example")),
+            (PUBLIC, 80, _http("meta.wild.example")),
+            (METADATA, 80, _http("meta.wild.example")),
+            (PUBLIC, 80, b"GET / HTTP/1.0\r\n\r\n"),
+            (PUBLIC, 443, b"\x16\x03\x01\x00\x05hello"),
+        ]:
+            assert await asyncio.to_thread(exchange, address, port, payload) is None, payload
+        # Other ports are decided by address alone.
+        assert await asyncio.to_thread(exchange, PUBLIC, PORT, _http("allowed.example")) is None
+
+        # The filter follows policy changes: a deny_out name, then no names at all.
+        await manager.update_policy(
+            45, EgressPolicy.parse(allow_internet=True, deny_out=["evil.example"])
+        )
+        assert await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("evil.example")) is None
+        answer = await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("other.example"))
+        assert answer is not None and answer.startswith(OTHER_PUBLIC)
+        await manager.update_policy(45, EgressPolicy(allow_internet=True))
+        assert not manager.egress_filter.serving(45)
+        answer = await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("evil.example"))
+        assert answer is not None and answer.startswith(OTHER_PUBLIC)
+    await manager.destroy(45)

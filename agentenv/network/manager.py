@@ -9,9 +9,11 @@ Layout of one sandbox (slot N, host subnet S split into /30 blocks, block N = S 
 Inside the namespace nftables DNATs TCP/UDP arriving on veth0 for the namespace end to
 GUEST_IP, so the host reaches guest port P at ``<S+4N+2>:P`` and the guest sees the host end
 as the peer. Guest-originated traffic leaving via veth0 is SNATed to the namespace end, and
-is only allowed out (forwarded) when the sandbox was created with ``allow_internet``; then
-a table ``agentenv_<prefix>`` in the root namespace masquerades it out of the default
-interface and keeps it away from the host's own services and from other sandboxes.
+is forwarded only as the sandbox's :class:`EgressPolicy` allows (chains ``egress``,
+``intercept`` and ``guard``, see :mod:`agentenv.network.egress_rules`; the guest cannot
+touch rules in its namespace). When the policy may let anything out, a table
+``agentenv_<prefix>`` in the root namespace masquerades it out of the default interface
+and keeps it away from the host's own services and from other sandboxes.
 
 Every resource carries the manager's prefix and the slot in its name, so leftovers of a
 crashed server can be found and removed (`NetworkManager.reclaim`) without touching
@@ -45,6 +47,14 @@ from agentenv.network.addresses import (
     GUEST_MAC,
     GUEST_PREFIX,
     TAP_NAME,
+)
+from agentenv.network.egress_filter import EgressFilter
+from agentenv.network.egress_rules import (
+    NAMESPACE_TABLE,
+    BlockedRanges,
+    needs_uplink,
+    policy_chains,
+    policy_update_script,
 )
 from agentenv.network.policy import EgressPolicy
 
@@ -134,6 +144,8 @@ class NetworkManager:
         # Slots with a masquerade chain in the host table; None until read from the kernel.
         self._internet_slots: set[int] | None = None
         self._host_table_lock = asyncio.Lock()
+        # Relays the connections of sandboxes whose policy has host-name rules.
+        self.egress_filter = EgressFilter()
 
     # -- names and addresses --------------------------------------------------------------
 
@@ -164,19 +176,22 @@ class NetworkManager:
 
     async def create(self, slot: int, *, policy: EgressPolicy | None = None) -> SandboxNetwork:
         """Build the network for `slot`, replacing any leftovers of an earlier one, with
-        egress as `policy` says (default: nothing but DNS leaves).
+        egress as `policy` says (default: nothing leaves). One ``nft`` run builds the
+        namespace's whole ruleset, policy included.
 
         On failure (or cancellation) everything built so far is removed before the error
         propagates.
         """
         net = self.describe(slot)
-        allow_internet = (policy or EgressPolicy()).allow_internet
+        policy = policy or EgressPolicy()
         async with self._slot_lock(slot):
             try:
                 await self._destroy_slot(slot)
-                await _run_blocking(self._build_namespace, net, allow_internet)
-                if allow_internet:
+                blocked = await _run_blocking(self._build_namespace, net, policy)
+                if needs_uplink(policy):
                     await self._add_internet_access(slot, net)
+                if policy.has_hostname_rules:
+                    await self.egress_filter.serve(slot, net.netns, policy, blocked)
             except BaseException as exc:
                 await asyncio.shield(self._rollback(slot))
                 if isinstance(exc, NetworkError | asyncio.CancelledError):
@@ -188,9 +203,31 @@ class NetworkManager:
 
     async def update_policy(self, slot: int, policy: EgressPolicy) -> None:
         """Replace the egress policy of the live network of `slot`, atomically: a
-        connection is decided by the old rules or the new ones, never a mix."""
-        self._check_slot(slot)
-        raise NetworkError("changing a running sandbox's egress policy is not implemented yet")
+        connection is decided by the old rules or the new ones, never a mix.
+
+        New connections follow the new policy at once; connections already established
+        continue (conntrack accepts them before the policy is consulted), as cutting them
+        would also cut the host's own connections to envd. Works on any namespace this
+        manager's prefix built, including one lingering after a pause.
+        """
+        net = self.describe(slot)
+        async with self._slot_lock(slot):
+            if net.netns not in await asyncio.to_thread(netns.listnetns):
+                raise NetworkError(f"slot {slot} has no network to change the policy of")
+            blocked = await asyncio.to_thread(self._current_blocked_ranges)
+            # The host forwards a sandbox's traffic only while its namespace may let
+            # something out; it is opened before the namespace rules allow anything and
+            # closed after they stop allowing it. Likewise the filter listens before the
+            # namespace redirects to it, and stops after it no longer does.
+            if needs_uplink(policy):
+                await self._add_internet_access(slot, net)
+            if policy.has_hostname_rules:
+                await self.egress_filter.serve(slot, net.netns, policy, blocked)
+            await _run_blocking(self._replace_policy_chains, net, policy, blocked)
+            if not policy.has_hostname_rules:
+                await self.egress_filter.stop(slot)
+            if not needs_uplink(policy):
+                await self._remove_internet_access(slot)
 
     async def destroy(self, slot: int) -> None:
         """Remove the namespace, veth and host rules of `slot`; absent parts are fine.
@@ -238,7 +275,7 @@ class NetworkManager:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _build_namespace(self, net: SandboxNetwork, allow_internet: bool) -> None:
+    def _build_namespace(self, net: SandboxNetwork, policy: EgressPolicy) -> BlockedRanges:
         """Create and configure the namespace and veth. Blocking; runs in its own thread.
 
         The namespace side is configured from a thread that has entered the namespace
@@ -248,13 +285,14 @@ class NetworkManager:
         with _namespace_creation_lock:
             netns.create(net.netns)
         outcome: list[BaseException] = []
+        built: list[BlockedRanges] = []
 
         def configure() -> None:
             try:
                 with IPRoute() as host:  # opened before setns, so it stays in our namespace
                     netns.setns(net.netns, flags=0)
                     with IPRoute() as inside:
-                        self._configure(host, inside, net, allow_internet)
+                        built.append(self._configure(host, inside, net, policy))
             except BaseException as exc:
                 outcome.append(exc)
 
@@ -264,10 +302,11 @@ class NetworkManager:
         worker.join()
         if outcome:
             raise outcome[0]
+        return built[0]
 
     def _configure(
-        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork, allow_internet: bool
-    ) -> None:
+        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork, policy: EgressPolicy
+    ) -> BlockedRanges:
         # Runs with the calling thread inside the namespace: /proc/sys/net and child
         # processes see the namespace, `host` is still bound to the root namespace.
         _write_sysctl("net/ipv4/ip_forward", "1")
@@ -276,16 +315,54 @@ class NetworkManager:
         _write_sysctl("net/ipv6/conf/default/disable_ipv6", "1")
         # nft takes longer to start than all the netlink work below; its rules match
         # interfaces by name, so it can load them while the interfaces are being made.
-        nft = _NftRun(self._namespace_ruleset(net, allow_internet))
+        # The ruleset is written to it once the host's addresses have been read.
+        nft = _NftRun()
         try:
-            self._configure_links(host, inside, net)
+            host_networks = self._configure_links(host, inside, net)
         except BaseException:
             nft.abandon()
             raise
-        nft.finish()
+        blocked = self._blocked_ranges(host_networks)
+        nft.finish(self._namespace_ruleset(net, policy, blocked))
+        return blocked
 
-    def _configure_links(self, host: IPRoute, inside: IPRoute, net: SandboxNetwork) -> None:
-        self._claim_host_addresses(host, net)
+    def _blocked_ranges(self, host_networks: list[ipaddress.IPv4Network]) -> BlockedRanges:
+        # The sandbox subnet is named even when it lies outside the fixed ranges (a
+        # configured public-looking subnet): guests never reach the host's veth ends.
+        return BlockedRanges([*host_networks, self.subnet])
+
+    def _current_blocked_ranges(self) -> BlockedRanges:
+        with IPRoute() as host:
+            return self._blocked_ranges(_host_networks(host))
+
+    @staticmethod
+    def _replace_policy_chains(
+        net: SandboxNetwork, policy: EgressPolicy, blocked: BlockedRanges
+    ) -> None:
+        """Rewrite the policy's chains in `net`'s namespace in one nft transaction.
+        Blocking; runs in its own thread, which it moves into the namespace."""
+        outcome: list[BaseException] = []
+
+        def replace() -> None:
+            try:
+                netns.setns(net.netns, flags=0)
+                nft = _NftRun()
+                nft.finish(policy_update_script(policy, blocked))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        # A fresh thread, never a pool thread: it ends inside the sandbox namespace.
+        worker = threading.Thread(target=replace, name=f"netns-policy-{net.netns}")
+        worker.start()
+        worker.join()
+        if outcome:
+            raise outcome[0]
+
+    def _configure_links(
+        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork
+    ) -> list[ipaddress.IPv4Network]:
+        """Make the veth and tap; returns the host's networks as they were before."""
+        host_networks = self._claim_host_addresses(host, net)
         host.link(
             "add",
             ifname=net.host_veth,
@@ -314,33 +391,44 @@ class NetworkManager:
         inside.addr("add", index=veth_index, address=net.guest_address, prefixlen=30)
         inside.link("set", index=veth_index, state="up")
         inside.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
+        return host_networks
 
-    def _claim_host_addresses(self, host: IPRoute, net: SandboxNetwork) -> None:
+    def _claim_host_addresses(
+        self, host: IPRoute, net: SandboxNetwork
+    ) -> list[ipaddress.IPv4Network]:
+        """Refuse a slot whose block is in use; returns the host's connected networks
+        (read in the same dump, for the blocked ranges)."""
         # Two servers given overlapping subnets would route each other's sandboxes wrongly;
         # refuse instead of adding a second route to the same /30.
         block = self._slot_block(net.slot)
+        networks = []
         for msg in host.addr("dump", family=2):
             address = msg.get_attr("IFA_ADDRESS")
-            if address and ipaddress.IPv4Address(address) in block:
+            if not address:
+                continue
+            if ipaddress.IPv4Address(address) in block:
                 owner = msg.get("index")
                 raise NetworkError(
                     f"{block} (slot {net.slot}) is already in use on interface index {owner}; "
                     "does another agentenv server use an overlapping subnet?"
                 )
+            networks.append(ipaddress.IPv4Network(f"{address}/{msg['prefixlen']}", strict=False))
+        return networks
 
     @staticmethod
-    def _namespace_ruleset(net: SandboxNetwork, allow_internet: bool) -> str:
-        egress = (
-            f'        oifname "{NAMESPACE_VETH}" ip saddr {GUEST_IP} accept\n'
-            if allow_internet
-            else ""
-        )
+    def _namespace_ruleset(
+        net: SandboxNetwork, policy: EgressPolicy, blocked: BlockedRanges
+    ) -> str:
+        # The policy's own chains come first so the fixed chains can jump to them; see
+        # egress_rules for what they hold.
         return (
-            "table ip agentenv {\n"
+            f"table ip {NAMESPACE_TABLE} {{\n"
+            f"{policy_chains(policy, blocked)}"
             "    chain prerouting {\n"
             "        type nat hook prerouting priority dstnat; policy accept;\n"
             f'        iifname "{NAMESPACE_VETH}" ip daddr {net.guest_address} '
             f"meta l4proto {{ tcp, udp }} dnat to {GUEST_IP}\n"
+            f"        ip saddr {GUEST_IP} jump intercept\n"
             "    }\n"
             "    chain postrouting {\n"
             "        type nat hook postrouting priority srcnat; policy accept;\n"
@@ -350,7 +438,11 @@ class NetworkManager:
             "        type filter hook forward priority filter; policy drop;\n"
             "        ct state established,related accept\n"
             f'        iifname "{NAMESPACE_VETH}" ct status dnat accept\n'
-            f"{egress}"
+            f'        oifname "{NAMESPACE_VETH}" ip saddr {GUEST_IP} jump egress\n'
+            "    }\n"
+            "    chain output {\n"
+            "        type filter hook output priority filter; policy accept;\n"
+            f'        oifname "{NAMESPACE_VETH}" jump guard\n'
             "    }\n"
             "}\n"
         )
@@ -448,6 +540,7 @@ class NetworkManager:
 
     async def _destroy_slot(self, slot: int) -> None:
         net = self.describe(slot)
+        await self.egress_filter.stop(slot)
         await _run_blocking(self._remove_by_name, [net.host_veth, net.netns])
         await self._remove_internet_access(slot)
 
@@ -531,6 +624,15 @@ def _delete_link(ipr: IPRoute, ifname: str) -> None:
         raise
 
 
+def _host_networks(host: IPRoute) -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network the host has an address in (the address itself included)."""
+    return [
+        ipaddress.IPv4Network(f"{msg.get_attr('IFA_ADDRESS')}/{msg['prefixlen']}", strict=False)
+        for msg in host.addr("dump", family=2)
+        if msg.get_attr("IFA_ADDRESS")
+    ]
+
+
 def _default_interface() -> str:
     with IPRoute() as host:
         for route in host.get_default_routes(family=2):
@@ -555,9 +657,10 @@ def _write_host_sysctl(key: str, value: str) -> None:
 
 
 class _NftRun:
-    """An ``nft -f -`` run, started at construction in the calling thread's namespace."""
+    """An ``nft -f -`` run, started at construction in the calling thread's namespace;
+    the script is written to it by :meth:`finish`."""
 
-    def __init__(self, script: str) -> None:
+    def __init__(self) -> None:
         try:
             self._proc = subprocess.Popen(
                 ["nft", "-f", "-"],
@@ -568,11 +671,10 @@ class _NftRun:
             )
         except OSError as exc:
             raise NetworkError(f"running nft failed: {exc}") from exc
-        self._script = script
 
-    def finish(self) -> None:
+    def finish(self, script: str) -> None:
         try:
-            _, stderr = self._proc.communicate(self._script, timeout=_NFT_TIMEOUT)
+            _, stderr = self._proc.communicate(script, timeout=_NFT_TIMEOUT)
         except subprocess.TimeoutExpired as exc:
             self.abandon()
             raise NetworkError(f"nft did not finish within {_NFT_TIMEOUT} s") from exc

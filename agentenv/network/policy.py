@@ -20,8 +20,10 @@ default):
 4. Otherwise ``allow_internet`` decides. ``allow_internet=False`` behaves as a
    ``deny_out`` of ``0.0.0.0/0``.
 
-DNS (UDP and TCP port 53) goes only to ``dns_servers`` when any are given; otherwise to
-the resolver the guest is configured with.
+DNS (UDP and TCP port 53) goes only to ``dns_servers`` when any are given (even inside
+the blocked ranges: naming a server is explicit). Otherwise it is decided like any other
+traffic, except that a policy with host-name rules also lets DNS out to the guest's
+default resolver (8.8.8.8), as E2B does, so allowed names can be resolved.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def _parse_dns_servers(entries: Iterable[str] | None) -> tuple[ipaddress.IPv4Add
 @dataclass(frozen=True)
 class EgressPolicy:
     """Where one sandbox's guest may connect to (see the module docstring for the order
-    in which the parts decide). The default refuses everything but DNS."""
+    in which the parts decide). The default refuses everything."""
 
     allow_internet: bool = False
     allow_out: tuple[EgressRule, ...] = ()
