@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +36,50 @@ class NewSandbox(BaseModel):
     auto_pause: bool = Field(default=False, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
+
+
+class NetworkConfig(BaseModel):
+    """``network`` of a create body (e2b's ``SandboxNetworkOpts`` on the wire). Options
+    that are not supported are read only so the API can refuse them by name
+    (:func:`~agentenv.api.network.unsupported_options`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    egress_proxy: Any = Field(default=None, alias="egressProxy")
+    https_ports: list[int] | None = Field(default=None, alias="httpsPorts")
+    rules: Any = None
+
+
+class NetworkUpdate(BaseModel):
+    """Body of ``PUT /sandboxes/{id}/network`` (e2b's ``SandboxNetworkUpdateConfig``):
+    the new egress rules, replacing all of the old ones; what is left out is cleared."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    egress_proxy: Any = Field(default=None, alias="egressProxy")
+    rules: Any = None
+    allow_internet_access: bool | None = None
+
+
+class NetworkInfo(BaseModel):
+    """``network`` of ``GET /sandboxes/{id}``: the options the sandbox has now."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    allow_public_traffic: bool = Field(alias="allowPublicTraffic")
+    allow_out: list[str] = Field(alias="allowOut")
+    deny_out: list[str] = Field(alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
 
 
 class AutoResume(BaseModel):
@@ -84,6 +128,8 @@ class SandboxDetail(BaseModel):
     # sharing it can resume it (a pause is local first, uploaded in the background).
     pause_committed: bool | None = Field(default=None, alias="pauseCommitted")
     lineage: Lineage | None = None
+    allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
+    network: NetworkInfo | None = None
 
 
 class Lineage(BaseModel):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.network import EgressPolicy, NetworkManager
+from agentenv.network import NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Resharing
 from agentenv.orchestrator.errors import (
@@ -38,6 +38,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.layout import SandboxDir, write_atomically
 from agentenv.orchestrator.machines import Machines, disk_format
+from agentenv.orchestrator.network_options import NetworkOptions, issue_traffic_token
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import SETTLED_STATES, SandboxState
@@ -61,7 +62,7 @@ class Identity:
     metadata: dict[str, str]
     env_vars: dict[str, str]
     secure: bool
-    allow_internet: bool
+    network: NetworkOptions
     auto_pause: bool
     auto_resume: bool
     parent_id: str | None = None
@@ -184,7 +185,10 @@ class Lifecycle:
             metadata=identity.metadata,
             env_vars=identity.env_vars,
             auto_pause=identity.auto_pause,
-            allow_internet=identity.allow_internet,
+            network=identity.network,
+            traffic_token=(
+                None if identity.network.allow_public_traffic else issue_traffic_token()
+            ),
             memory_mode="shared" if own_memory else "private",
             source_dir=snap.directory,
             parent_id=identity.parent_id,
@@ -211,9 +215,7 @@ class Lifecycle:
                         )
                     )
                     net_task = group.create_task(
-                        self.network.create(
-                            slot, policy=EgressPolicy(allow_internet=identity.allow_internet)
-                        )
+                        self.network.create(slot, policy=identity.network.egress)
                     )
                     if own_memory and snap.files.memory_file is not None:
                         group.create_task(clone_file(snap.files.memory_file, memory))

@@ -77,6 +77,10 @@ class PausedEntry(_Record):
     auto_pause: bool = False
     auto_resume: bool = False
     allow_internet: bool = False
+    # NetworkOptions.to_dict(); absent in records written before it (allow_internet
+    # then says everything there is to know).
+    network: dict[str, Any] | None = None
+    traffic_token: str | None = None
     envd_version: str
     started_at: datetime
     end_at: datetime

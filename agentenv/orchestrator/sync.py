@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from agentenv.network.policy import EgressPolicy
 from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import (
     Conflict,
@@ -33,6 +34,7 @@ from agentenv.orchestrator.layout import (
     write_atomically,
 )
 from agentenv.orchestrator.machines import Machines
+from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.records import PausedEntry, SnapshotEntry
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
@@ -303,7 +305,9 @@ class RepositorySync:
             envd_token=rec.envd_token,
             auto_pause=rec.auto_pause,
             auto_resume=rec.auto_resume,
-            allow_internet=rec.allow_internet,
+            allow_internet=rec.network.egress.allow_internet,
+            network=rec.network.to_dict(),
+            traffic_token=rec.traffic_token,
             envd_version=rec.envd_version,
             started_at=rec.started_at,
             end_at=rec.end_at,
@@ -405,7 +409,12 @@ class RepositorySync:
                 metadata=dict(entry.metadata),
                 env_vars=dict(entry.env_vars),
                 auto_pause=entry.auto_pause,
-                allow_internet=entry.allow_internet,
+                network=(
+                    NetworkOptions.from_dict(entry.network)
+                    if entry.network is not None
+                    else NetworkOptions(EgressPolicy(allow_internet=entry.allow_internet))
+                ),
+                traffic_token=entry.traffic_token,
                 memory_mode="shared" if snap.files.memory_file is not None else "private",
                 disk_path=disk,
                 source_dir=snap.directory,
