@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 from e2b import Sandbox, SandboxException
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect as ws_connect
 
 from tests.e2b.support import sdk_opts
 from tests.helpers import SANDBOX_DOMAIN, ServerProcess, raw_http, run_command
@@ -23,6 +25,7 @@ from tests.helpers import SANDBOX_DOMAIN, ServerProcess, raw_http, run_command
 pytestmark = pytest.mark.vm
 
 GUEST_PORT = 8080
+WS_PORT = 8765
 MASK = "${PORT}-masked.example.com"
 # Answers every GET with "host=<the Host header it got>".
 HOST_ECHO = (
@@ -38,15 +41,45 @@ HOST_ECHO = (
 )
 
 
+# A WebSocket server that accepts, sends one text message "host=<the Host header>", and
+# closes.
+WS_HOST_ECHO = (
+    "import base64, hashlib, socketserver\n"
+    "GUID = '258EAFA5-E914-47DA-95CA-C5AB0DC85B11'\n"
+    "class H(socketserver.StreamRequestHandler):\n"
+    "    def handle(self):\n"
+    "        headers = {}\n"
+    "        self.rfile.readline()\n"
+    "        while (line := self.rfile.readline().decode().strip()):\n"
+    "            k, v = line.split(':', 1)\n"
+    "            headers[k.strip().lower()] = v.strip()\n"
+    "        key = headers['sec-websocket-key'] + GUID\n"
+    "        accept = base64.b64encode(hashlib.sha1(key.encode()).digest())\n"
+    "        self.wfile.write(b'HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\n'\n"
+    "            b'Connection: Upgrade\\r\\nSec-WebSocket-Accept: ' + accept + b'\\r\\n\\r\\n')\n"
+    "        text = ('host=' + headers.get('host', '')).encode()[:125]\n"
+    "        self.wfile.write(bytes([0x81, len(text)]) + text + b'\\x88\\x00')\n"
+    "socketserver.ThreadingTCPServer.allow_reuse_address = True\n"
+    f"socketserver.ThreadingTCPServer(('0.0.0.0', {WS_PORT}), H).serve_forever()\n"
+)
+
+
 def _start_host_echo(server: ServerProcess, sandbox: dict[str, Any]) -> None:
-    script = HOST_ECHO.replace("'", "'\\''")
+    """Both echo servers, listening."""
+    commands = []
+    for name, script, port in (("echo", HOST_ECHO, GUEST_PORT), ("ws", WS_HOST_ECHO, WS_PORT)):
+        quoted = script.replace("'", "'\\''")
+        commands.append(
+            f"printf '%s' '{quoted}' > /tmp/{name}.py && "
+            f"(nohup python3 /tmp/{name}.py >/tmp/{name}.log 2>&1 &) && "
+            f"for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null "
+            f"&& break; sleep 0.1; done && (exec 3<>/dev/tcp/127.0.0.1/{port}) "
+            f"|| {{ cat /tmp/{name}.log; exit 1; }}"
+        )
     started = run_command(
         server.url,
         sandbox["sandboxID"],
-        f"printf '%s' '{script}' > /tmp/echo.py && "
-        "(nohup python3 /tmp/echo.py >/tmp/echo.log 2>&1 &) && "
-        f"for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/{GUEST_PORT}) 2>/dev/null "
-        "&& exit 0; sleep 0.1; done; cat /tmp/echo.log; exit 1",
+        " && ".join(commands),
         token=sandbox.get("envdAccessToken"),
     )
     assert started.exit_code == 0, started.stdout + started.stderr
@@ -110,6 +143,25 @@ def test_private_ports_need_the_traffic_token(
     # envd's port keeps its own rule: its token, not the traffic token.
     envd = raw_http(server.port, "GET", "/health", {"E2b-Sandbox-Id": sandbox_id})
     assert envd.status in (200, 204), envd
+
+
+def test_private_websockets_need_the_traffic_token(
+    server: ServerProcess, private: dict[str, Any]
+) -> None:
+    """The WebSocket path applies the same token rule and the same Host mask."""
+    sandbox_id, token = private["sandboxID"], private["trafficAccessToken"]
+    url = f"ws://127.0.0.1:{server.port}/"
+    routed = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(WS_PORT)}
+    with pytest.raises(InvalidStatus) as refused:
+        ws_connect(url, additional_headers=routed, open_timeout=30)
+    assert refused.value.response.status_code == 403
+    wrong = {**routed, "E2b-Traffic-Access-Token": "x" + token}
+    with pytest.raises(InvalidStatus) as refused:
+        ws_connect(url, additional_headers=wrong, open_timeout=30)
+    assert refused.value.response.status_code == 403
+    allowed = {**routed, "E2b-Traffic-Access-Token": token}
+    with ws_connect(url, additional_headers=allowed, open_timeout=30) as ws:
+        assert ws.recv(timeout=30) == f"host={WS_PORT}-masked.example.com"
 
 
 def test_host_routing_only_under_the_configured_domain(
