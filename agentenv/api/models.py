@@ -21,8 +21,9 @@ class ErrorBody(BaseModel):
 
 
 class NewSandbox(BaseModel):
-    """Body of ``POST /sandboxes`` and ``POST /v2/sandboxes``. Unknown fields (network,
-    mcp, volume mounts, ...) are accepted and ignored so newer SDKs keep working."""
+    """Body of ``POST /sandboxes`` and ``POST /v2/sandboxes``. Unknown top-level fields
+    (mcp, volume mounts, ...) are accepted and ignored so newer SDKs keep working;
+    ``network`` is read whole, and what of it is not supported is refused by name."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
