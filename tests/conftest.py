@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, kill_vmms, live_server
+from tests.helpers import SANDBOX_DOMAIN, ServerProcess, kill_vmms, live_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,7 +47,11 @@ def guest_image() -> None:
 @pytest.fixture(scope="session")
 def server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
     """One live server (real VMs) shared by the API tests of a session."""
-    # A short linger, so tests see a paused sandbox's network released soon.
-    node = ServerProcess(home=test_root / "node", extra_env={"AENV_NETWORK_LINGER": "1"})
+    # A short linger, so tests see a paused sandbox's network released soon. Host names
+    # route to sandboxes only under the configured domain (SANDBOX_DOMAIN).
+    node = ServerProcess(
+        home=test_root / "node",
+        extra_env={"AENV_NETWORK_LINGER": "1", "AENV_DOMAIN": SANDBOX_DOMAIN},
+    )
     with live_server(node) as srv:
         yield srv

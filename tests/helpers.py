@@ -31,6 +31,9 @@ COUNTER = (
     "mv /dev/shm/.counter /dev/shm/counter; sleep 0.2; done' >/dev/null 2>&1 & echo $!"
 )
 TEST_API_KEY = "e2b_" + "ab" * 20
+# The domain of the shared test server (conftest's `server`): `{port}-{id}.sandbox.test`
+# routes to a sandbox's port.
+SANDBOX_DOMAIN = "sandbox.test"
 
 
 def free_port() -> int:

@@ -192,6 +192,21 @@ def test_ids_and_names_are_one_quoted_path_segment() -> None:
     assert json.loads(recorder.requests[-1].content) == {"timeout": 30}
 
 
+def test_update_network_sends_the_sdks_body() -> None:
+    recorder = Recorder(lambda _: httpx.Response(204))
+    with client_for(recorder) as client:
+        client.update_network("sb", allow_out=["1.1.1.1"], deny_out=["0.0.0.0/0"])
+        client.update_network("sb", allow_internet_access=False, dns_servers=[])
+    assert [(r.method, r.url.raw_path.decode()) for r in recorder.requests] == [
+        ("PUT", "/sandboxes/sb/network"),
+        ("PUT", "/sandboxes/sb/network"),
+    ]
+    assert [json.loads(r.content) for r in recorder.requests] == [
+        {"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]},
+        {"dnsServers": [], "allow_internet_access": False},
+    ]
+
+
 def test_sandbox_listing_follows_pages_with_its_filters() -> None:
     pages = {
         None: ([detail("a"), detail("b")], "t1"),

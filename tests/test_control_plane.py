@@ -11,7 +11,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from tests.helpers import ServerProcess, run_command
+from tests.helpers import SANDBOX_DOMAIN, ServerProcess, run_command
 
 pytestmark = pytest.mark.vm
 
@@ -162,7 +162,7 @@ def test_websocket_through_the_proxy(server: ServerProcess) -> None:
             # Host-based routing reaches the same port: the URL names the sandbox, the
             # socket goes to the server.
             sock = socket.create_connection(("127.0.0.1", server.port))
-            host_url = f"ws://8765-{sandbox_id}.sandbox.local:{server.port}/echo"
+            host_url = f"ws://8765-{sandbox_id}.{SANDBOX_DOMAIN}:{server.port}/echo"
             with ws_connect(host_url, sock=sock, open_timeout=30) as ws:
                 ws.send("via host")
                 assert ws.recv(timeout=30) == "via host"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +20,13 @@ MiB = 1024 * 1024
 
 @pytest.fixture
 def workdir(test_root: Path) -> Iterator[Path]:
-    directory = test_root / "extents"
-    directory.mkdir()
-    if not supports_reflink(directory):
-        pytest.skip(f"{directory} cannot reflink (scripts/test puts AENV_TEST_DIR on XFS)")
-    yield directory
-    shutil.rmtree(directory)
+    directory = Path(tempfile.mkdtemp(prefix="extents-", dir=test_root))
+    try:
+        if not supports_reflink(directory):
+            pytest.skip(f"{directory} cannot reflink (scripts/test puts AENV_TEST_DIR on XFS)")
+        yield directory
+    finally:
+        shutil.rmtree(directory)
 
 
 def digest(path: Path) -> str:

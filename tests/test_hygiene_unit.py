@@ -88,19 +88,24 @@ def test_state_db_holds_no_token(tmp_path: Path) -> None:
     store = Store(db)
     store.open()
     token = store.tokens.token("isecured")
-    store.insert_sandbox(_record(tmp_path, "isecured", token))
-    store.update_sandbox("isecured", envd_token=token)
+    traffic = store.tokens.traffic_token("isecured")
+    assert traffic != token
+    record = _record(tmp_path, "isecured", token)
+    record.traffic_token = traffic
+    store.insert_sandbox(record)
+    store.update_sandbox("isecured", envd_token=token, traffic_token=traffic)
     got = store.get_sandbox("isecured")
-    assert got is not None and got.envd_token == token
+    assert got is not None and got.envd_token == token and got.traffic_token == traffic
     store.close()
-    raw = sqlite3.connect(db).execute("SELECT envd_token FROM sandboxes").fetchone()[0]
-    assert raw == token_digest(token)
+    raw = sqlite3.connect(db).execute("SELECT envd_token, traffic_token FROM sandboxes")
+    assert tuple(raw.fetchone()) == (token_digest(token), token_digest(traffic))
     for path in tmp_path.glob("state.db*"):
         assert token.encode() not in path.read_bytes()
-    # Reopened with the same key file: the token comes back.
+        assert traffic.encode() not in path.read_bytes()
+    # Reopened with the same key file: the tokens come back.
     again = Store(db)
     again.open()
-    assert [r.envd_token for r in again.list_sandboxes()] == [token]
+    assert [(r.envd_token, r.traffic_token) for r in again.list_sandboxes()] == [(token, traffic)]
     again.close()
 
 

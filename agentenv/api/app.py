@@ -31,6 +31,7 @@ from agentenv.api.models import (
     Health,
     Lifecycle,
     Lineage,
+    NetworkUpdate,
     NewSandbox,
     NodeCacheInfo,
     PauseRequest,
@@ -42,6 +43,7 @@ from agentenv.api.models import (
     SnapshotRequest,
     TimeoutRequest,
 )
+from agentenv.api.network import create_options, network_info, updated_egress
 from agentenv.api.templates import template_routes
 from agentenv.limits import MAX_PAGE_SIZE
 from agentenv.orchestrator.builds import BuildManager
@@ -153,6 +155,7 @@ def create_app(
             sandboxID=rec.sandbox_id,
             envdVersion=rec.envd_version,
             envdAccessToken=rec.envd_token,
+            trafficAccessToken=rec.traffic_token,
             domain=orchestrator.config.domain,
         )
 
@@ -186,6 +189,8 @@ def create_app(
                 snapshotID=rec.snapshot_id,
                 children=list(view.children),
             ),
+            allowInternetAccess=rec.network.egress.allow_internet,
+            network=network_info(rec.network),
         )
 
     def snapshot_body(view: SnapshotView) -> SnapshotInfo:
@@ -227,6 +232,8 @@ def create_app(
     creates = IdempotentCreates()
 
     async def _create(body: NewSandbox, secure: bool, idempotency_key: str | None) -> Sandbox:
+        network = create_options(body)
+
         async def create() -> Sandbox:
             view = await orchestrator.create(
                 body.template_id,
@@ -234,8 +241,7 @@ def create_app(
                 metadata=body.metadata,
                 env_vars=body.env_vars,
                 secure=secure,
-                # E2B sandboxes reach the internet unless told otherwise.
-                allow_internet=body.allow_internet_access is not False,
+                network=network,
                 auto_pause=body.auto_pause,
                 auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
             )
@@ -355,6 +361,18 @@ def create_app(
     )
     async def set_timeout(sandbox_id: str, body: TimeoutRequest) -> Response:
         await orchestrator.set_timeout(sandbox_id, body.timeout)
+        return Response(status_code=204)
+
+    @app.put(
+        "/sandboxes/{sandbox_id}/network",
+        status_code=204,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def update_network(sandbox_id: str, body: NetworkUpdate) -> Response:
+        """Replace a running sandbox's egress rules (e2b's ``Sandbox.update_network``);
+        what the body leaves out is cleared. 409 while the sandbox is paused."""
+        await orchestrator.update_network(sandbox_id, updated_egress(body))
         return Response(status_code=204)
 
     @app.post(

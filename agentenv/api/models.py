@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -110,8 +110,9 @@ class ErrorBody(BaseModel):
 
 
 class NewSandbox(BaseModel):
-    """Body of ``POST /sandboxes`` and ``POST /v2/sandboxes``. Unknown fields (network,
-    mcp, volume mounts, ...) are accepted and ignored so newer SDKs keep working."""
+    """Body of ``POST /sandboxes`` and ``POST /v2/sandboxes``. Unknown top-level fields
+    (mcp, volume mounts, ...) are accepted and ignored so newer SDKs keep working;
+    ``network`` is read whole, and what of it is not supported is refused by name."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
@@ -125,9 +126,53 @@ class NewSandbox(BaseModel):
     auto_pause: bool = Field(default=False, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
 
     _check_metadata = field_validator("metadata")(check_metadata)
     _check_env_vars = field_validator("env_vars")(check_env_vars)
+
+
+class NetworkConfig(BaseModel):
+    """``network`` of a create body (e2b's ``SandboxNetworkOpts`` on the wire). Options
+    that are not supported are read only so the API can refuse them by name
+    (:func:`~agentenv.api.network.unsupported_options`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    egress_proxy: Any = Field(default=None, alias="egressProxy")
+    https_ports: list[int] | None = Field(default=None, alias="httpsPorts")
+    rules: Any = None
+
+
+class NetworkUpdate(BaseModel):
+    """Body of ``PUT /sandboxes/{id}/network`` (e2b's ``SandboxNetworkUpdateConfig``):
+    the new egress rules, replacing all of the old ones; what is left out is cleared."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    egress_proxy: Any = Field(default=None, alias="egressProxy")
+    rules: Any = None
+    allow_internet_access: bool | None = None
+
+
+class NetworkInfo(BaseModel):
+    """``network`` of ``GET /sandboxes/{id}``: the options the sandbox has now."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    allow_public_traffic: bool = Field(alias="allowPublicTraffic")
+    allow_out: list[str] = Field(alias="allowOut")
+    deny_out: list[str] = Field(alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
 
 
 class AutoResume(BaseModel):
@@ -176,6 +221,8 @@ class SandboxDetail(BaseModel):
     # sharing it can resume it (a pause is local first, uploaded in the background).
     pause_committed: bool | None = Field(default=None, alias="pauseCommitted")
     lineage: Lineage | None = None
+    allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
+    network: NetworkInfo | None = None
 
 
 class Lineage(BaseModel):

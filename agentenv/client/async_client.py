@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +156,19 @@ class AsyncAgentEnv:
     async def refresh(self, sandbox: SandboxRef, seconds: int) -> None:
         path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/refreshes"
         await self._request("POST", path, json=wire.refresh_body(seconds))
+
+    async def update_network(
+        self,
+        sandbox: SandboxRef,
+        *,
+        allow_out: Sequence[str] | None = None,
+        deny_out: Sequence[str] | None = None,
+        dns_servers: Sequence[str] | None = None,
+        allow_internet_access: bool | None = None,
+    ) -> None:
+        path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/network"
+        body = wire.network_update_body(allow_out, deny_out, dns_servers, allow_internet_access)
+        await self._request("PUT", path, json=body)
 
     async def get(self, sandbox: SandboxRef) -> SandboxDetail:
         path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}"

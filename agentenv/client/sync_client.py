@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +174,21 @@ class AgentEnv:
         """Keep the sandbox alive at least ``seconds`` from now; never shortens its life."""
         path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/refreshes"
         self._request("POST", path, json=wire.refresh_body(seconds))
+
+    def update_network(
+        self,
+        sandbox: SandboxRef,
+        *,
+        allow_out: Sequence[str] | None = None,
+        deny_out: Sequence[str] | None = None,
+        dns_servers: Sequence[str] | None = None,
+        allow_internet_access: bool | None = None,
+    ) -> None:
+        """Replace a running sandbox's egress rules (e2b's ``Sandbox.update_network``):
+        what is left out goes back to the default (internet allowed, no lists)."""
+        path = f"/sandboxes/{path_part(sandbox_id_of(sandbox))}/network"
+        body = wire.network_update_body(allow_out, deny_out, dns_servers, allow_internet_access)
+        self._request("PUT", path, json=body)
 
     def get(self, sandbox: SandboxRef) -> SandboxDetail:
         """The sandbox's detail: state, lifetime, resources, lineage."""

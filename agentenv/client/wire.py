@@ -146,6 +146,26 @@ def refresh_body(seconds: int) -> dict[str, int]:
     return {"duration": seconds}
 
 
+def network_update_body(
+    allow_out: Sequence[str] | None,
+    deny_out: Sequence[str] | None,
+    dns_servers: Sequence[str] | None,
+    allow_internet_access: bool | None,
+) -> dict[str, object]:
+    """Body of ``PUT /sandboxes/{id}/network``, spelt as e2b's SDK spells it. The server
+    replaces the egress rules whole: what is left out here is cleared there."""
+    body: dict[str, object] = {}
+    if allow_out is not None:
+        body["allowOut"] = list(allow_out)
+    if deny_out is not None:
+        body["denyOut"] = list(deny_out)
+    if dns_servers is not None:
+        body["dnsServers"] = list(dns_servers)
+    if allow_internet_access is not None:
+        body["allow_internet_access"] = allow_internet_access
+    return body
+
+
 def sandbox_query(
     state: str | None,
     metadata: Mapping[str, str] | None,

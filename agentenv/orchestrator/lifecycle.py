@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from agentenv.network import EgressPolicy, NetworkManager
+from agentenv.network import NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Resharing
 from agentenv.orchestrator.errors import (
@@ -37,6 +37,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.layout import SandboxDir, write_atomically
 from agentenv.orchestrator.machines import Machines, disk_format
+from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import SETTLED_STATES, SandboxState
@@ -60,7 +61,7 @@ class Identity:
     metadata: dict[str, str]
     env_vars: dict[str, str]
     secure: bool
-    allow_internet: bool
+    network: NetworkOptions
     auto_pause: bool
     auto_resume: bool
     parent_id: str | None = None
@@ -183,7 +184,12 @@ class Lifecycle:
             metadata=identity.metadata,
             env_vars=identity.env_vars,
             auto_pause=identity.auto_pause,
-            allow_internet=identity.allow_internet,
+            network=identity.network,
+            traffic_token=(
+                None
+                if identity.network.allow_public_traffic
+                else self.store.tokens.traffic_token(sandbox_id)
+            ),
             memory_mode="shared" if own_memory else "private",
             source_dir=snap.directory,
             parent_id=identity.parent_id,
@@ -210,9 +216,7 @@ class Lifecycle:
                         )
                     )
                     net_task = group.create_task(
-                        self.network.create(
-                            slot, policy=EgressPolicy(allow_internet=identity.allow_internet)
-                        )
+                        self.network.create(slot, policy=identity.network.egress)
                     )
                     if own_memory and snap.files.memory_file is not None:
                         group.create_task(clone_file(snap.files.memory_file, memory))

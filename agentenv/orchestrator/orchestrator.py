@@ -34,7 +34,7 @@ import httpx
 
 from agentenv.config import Config
 from agentenv.limits import MAX_FORK_CHILDREN
-from agentenv.network import NetworkManager
+from agentenv.network import EgressPolicy, NetworkError, NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Capture, Resharing
 from agentenv.orchestrator.catalog import Catalog
@@ -49,6 +49,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
 from agentenv.orchestrator.machines import Machines
+from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
@@ -353,10 +354,12 @@ class Orchestrator:
         metadata: dict[str, str] | None = None,
         env_vars: dict[str, str] | None = None,
         secure: bool = False,
-        allow_internet: bool = False,
+        network: NetworkOptions | None = None,
         auto_pause: bool = False,
         auto_resume: bool = False,
     ) -> SandboxView:
+        """A new sandbox from a template or snapshot. ``network`` defaults to the most
+        closed options (nothing leaves but DNS)."""
         self._free_space.check("create")
         timeout = self.timeouts.pick(timeout)
         source = await self._sources.resolve(template_id)
@@ -364,7 +367,7 @@ class Orchestrator:
             metadata=metadata or {},
             env_vars=env_vars or {},
             secure=secure,
-            allow_internet=allow_internet,
+            network=network or NetworkOptions(),
             auto_pause=auto_pause,
             auto_resume=auto_resume,
         )
@@ -380,7 +383,7 @@ class Orchestrator:
             env_vars={},
             secure=False,
             # Build steps install packages.
-            allow_internet=True,
+            network=NetworkOptions(EgressPolicy(allow_internet=True)),
             auto_pause=False,
             auto_resume=False,
         )
@@ -526,7 +529,7 @@ class Orchestrator:
             metadata=parent.metadata,
             env_vars=parent.env_vars,
             secure=parent.envd_token is not None,
-            allow_internet=parent.allow_internet,
+            network=parent.network,
             auto_pause=parent.auto_pause,
             auto_resume=parent.auto_resume,
             parent_id=sandbox_id,
@@ -558,6 +561,29 @@ class Orchestrator:
         view = self.get(sandbox_id)
         self._lifecycle.set_end(view.record, timeout, only_extend=only_extend)
         return view
+
+    async def update_network(self, sandbox_id: str, egress: EgressPolicy) -> SandboxView:
+        """Replace a running sandbox's egress policy, in the sandbox's network and then in
+        its record, after any operation in progress on it. A paused sandbox answers
+        :class:`Conflict` (409, which E2B's API lists for this call) rather than
+        storing a policy for the resume: the paused sandbox's lingering namespace and
+        the paused record other nodes may adopt would both still carry the old one."""
+
+        async def work() -> SandboxView:
+            rec = self._lifecycle.existing(sandbox_id)
+            if rec.state != SandboxState.RUNNING:
+                raise Conflict(f"sandbox {sandbox_id} is paused: resume it to change its network")
+            try:
+                await self.network.update_policy(rec.slot, egress)
+            except NetworkError as exc:
+                raise OperationFailed(
+                    f"changing the network of {sandbox_id} failed: {exc}"
+                ) from exc
+            rec.network = rec.network.with_egress(egress)
+            self.store.set_network(sandbox_id, rec.network)
+            return self._view(rec)
+
+        return await self._operations.run(sandbox_id, "network", work, join=False)
 
     async def kill(self, sandbox_id: str) -> None:
         """Remove a sandbox, after any operation in progress on it; joins a kill already

@@ -82,6 +82,12 @@ class PausedEntry(_Record):
     auto_pause: bool = False
     auto_resume: bool = False
     allow_internet: bool = False
+    # NetworkOptions.to_dict(); absent in records written before it (allow_internet
+    # then says everything there is to know).
+    network: dict[str, Any] | None = None
+    # The traffic access token's digest (tokens.token_digest): the resuming node derives
+    # the token and checks it against this.
+    traffic_token_sha256: str | None = None
     envd_version: str
     started_at: datetime
     end_at: datetime

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from agentenv.config import Config
-from agentenv.network import EgressPolicy, NetworkManager, SandboxNetwork, pick_free_subnet
+from agentenv.network import NetworkManager, SandboxNetwork, pick_free_subnet
 from agentenv.orchestrator.errors import CapacityExhausted
 from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.operations import SandboxOperations
@@ -95,9 +95,7 @@ class NetworkLeases:
         if lingering is not None and not lingering.done():
             lingering.cancel()
             return self.network.describe(rec.slot)
-        return await self.network.create(
-            rec.slot, policy=EgressPolicy(allow_internet=rec.allow_internet)
-        )
+        return await self.network.create(rec.slot, policy=rec.network.egress)
 
     def forget(self, rec: SandboxRecord) -> None:
         """Stop the timer of a sandbox whose network goes another way (kill, handoff)."""

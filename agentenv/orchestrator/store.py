@@ -19,8 +19,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from agentenv.network.policy import EgressPolicy
+from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.states import IllegalTransition, SandboxState, StateChanged, allowed
-from agentenv.orchestrator.tokens import KEY_FILE, EnvdTokens, TokenKeyMismatch
+from agentenv.orchestrator.tokens import KEY_FILE, EnvdTokens, TokenKeyMismatch, token_digest
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -84,6 +86,12 @@ _SANDBOX_COLUMNS_V2 = (
     ("auto_resume", "INTEGER NOT NULL DEFAULT 0"),
     ("pause_mode", "TEXT"),
 )
+# The sandbox's network options (NetworkOptions JSON) and traffic access token. Rows
+# written before them get the options their allow_internet column meant (Store.open).
+_SANDBOX_NETWORK_COLUMNS = (
+    ("network", "TEXT"),
+    ("traffic_token", "TEXT"),
+)
 
 
 def utcnow() -> datetime:
@@ -140,7 +148,8 @@ class SandboxRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
-    allow_internet: bool = False
+    network: NetworkOptions = field(default_factory=NetworkOptions)
+    traffic_token: str | None = None
     # "shared": RAM is the file memory.raw in workdir (saved by device state alone);
     # "private": a copy-on-write mapping of source_dir's RAM image.
     memory_mode: str = "private"
@@ -205,6 +214,15 @@ class Store:
         for name, decl in _SANDBOX_COLUMNS_V2:
             if name not in have:
                 db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
+        for name, decl in _SANDBOX_NETWORK_COLUMNS:
+            if name not in have:
+                db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
+        for allow_internet in (False, True):
+            options = NetworkOptions(EgressPolicy(allow_internet=allow_internet))
+            db.execute(
+                "UPDATE sandboxes SET network = ? WHERE network IS NULL AND allow_internet = ?",
+                (json.dumps(options.to_dict()), int(allow_internet)),
+            )
         db.execute(
             "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
             (str(SCHEMA_VERSION),),
@@ -266,6 +284,7 @@ class Store:
     def insert_sandbox(self, rec: SandboxRecord) -> None:
         row = _sandbox_row(rec)
         row["envd_token"] = self.tokens.stored(rec.sandbox_id, rec.envd_token)
+        row["traffic_token"] = token_digest(rec.traffic_token) if rec.traffic_token else None
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         self.db.execute(f"INSERT INTO sandboxes ({names}) VALUES ({marks})", list(row.values()))
@@ -277,6 +296,17 @@ class Store:
             raise ValueError("a sandbox's state changes only through Store.transition")
         if changes:
             self._update(sandbox_id, changes, None)
+
+    def set_network(self, sandbox_id: str, options: NetworkOptions) -> None:
+        """Replace a sandbox's network options (``PUT /sandboxes/{id}/network``)."""
+        self._update(
+            sandbox_id,
+            {
+                "network": options.to_dict(),
+                "allow_internet": int(options.egress.allow_internet),
+            },
+            None,
+        )
 
     def transition(
         self,
@@ -306,6 +336,8 @@ class Store:
                 **changes,
                 "envd_token": self.tokens.stored(sandbox_id, changes["envd_token"]),
             }
+        if changes.get("traffic_token"):
+            changes = {**changes, "traffic_token": token_digest(changes["traffic_token"])}
         for key, value in changes.items():
             columns.append(f"{key} = ?")
             if isinstance(value, datetime):
@@ -349,6 +381,11 @@ class Store:
             # be refused, which is the failure the log line explains.
             log.error("%s", exc)
             rec.envd_token = self.tokens.token(rec.sandbox_id)
+        try:
+            rec.traffic_token = self.tokens.restored_traffic(rec.sandbox_id, rec.traffic_token)
+        except TokenKeyMismatch as exc:
+            log.error("%s", exc)
+            rec.traffic_token = self.tokens.traffic_token(rec.sandbox_id)
         return rec
 
     def used_slots(self) -> set[int]:
@@ -443,7 +480,10 @@ def _sandbox_row(rec: SandboxRecord) -> dict[str, Any]:
         "metadata": json.dumps(rec.metadata),
         "env_vars": json.dumps(rec.env_vars),
         "auto_pause": int(rec.auto_pause),
-        "allow_internet": int(rec.allow_internet),
+        # Kept for servers that predate the network column.
+        "allow_internet": int(rec.network.egress.allow_internet),
+        "network": json.dumps(rec.network.to_dict()),
+        "traffic_token": rec.traffic_token,
         "memory_mode": rec.memory_mode,
         "disk_path": str(rec.disk_path) if rec.disk_path else None,
         "source_dir": str(rec.source_dir) if rec.source_dir else None,
@@ -472,7 +512,8 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
         metadata=json.loads(row["metadata"]),
         env_vars=json.loads(row["env_vars"]),
         auto_pause=bool(row["auto_pause"]),
-        allow_internet=bool(row["allow_internet"]),
+        network=_network_options(row["network"], bool(row["allow_internet"])),
+        traffic_token=row["traffic_token"],
         memory_mode=row["memory_mode"],
         disk_path=Path(row["disk_path"]) if row["disk_path"] else None,
         source_dir=Path(row["source_dir"]) if row["source_dir"] else None,
@@ -481,3 +522,9 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
         auto_resume=bool(row["auto_resume"]),
         pause_mode=row["pause_mode"],
     )
+
+
+def _network_options(stored: str | None, allow_internet: bool) -> NetworkOptions:
+    if stored is None:  # written by an older server since this one opened the store
+        return NetworkOptions(EgressPolicy(allow_internet=allow_internet))
+    return NetworkOptions.from_dict(json.loads(stored))

@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from agentenv.network.policy import EgressPolicy
 from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import (
     Conflict,
@@ -34,6 +35,7 @@ from agentenv.orchestrator.layout import (
     write_atomically,
 )
 from agentenv.orchestrator.machines import Machines
+from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.records import PausedEntry, SnapshotEntry
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
@@ -313,7 +315,9 @@ class RepositorySync:
             envd_token_sha256=token_digest(rec.envd_token) if rec.envd_token else None,
             auto_pause=rec.auto_pause,
             auto_resume=rec.auto_resume,
-            allow_internet=rec.allow_internet,
+            allow_internet=rec.network.egress.allow_internet,
+            network=rec.network.to_dict(),
+            traffic_token_sha256=token_digest(rec.traffic_token) if rec.traffic_token else None,
             envd_version=rec.envd_version,
             started_at=rec.started_at,
             end_at=rec.end_at,
@@ -385,6 +389,14 @@ class RepositorySync:
         except TokenKeyMismatch as exc:
             raise OperationFailed(f"cannot resume it on node {self.catalog.node}: {exc}") from None
 
+    def _adopted_traffic_token(self, entry: PausedEntry) -> str | None:
+        """The traffic token of a sandbox paused by another node, derived here and
+        checked against the digest its record carries."""
+        try:
+            return self.store.tokens.restored_traffic(entry.sandbox_id, entry.traffic_token_sha256)
+        except TokenKeyMismatch as exc:
+            raise OperationFailed(f"cannot resume it on node {self.catalog.node}: {exc}") from None
+
     async def _record_adopted(self, entry: PausedEntry) -> None:
         sandbox_id = entry.sandbox_id
         workdir = self.sandboxes_dir / sandbox_id
@@ -428,7 +440,12 @@ class RepositorySync:
                 metadata=dict(entry.metadata),
                 env_vars=dict(entry.env_vars),
                 auto_pause=entry.auto_pause,
-                allow_internet=entry.allow_internet,
+                network=(
+                    NetworkOptions.from_dict(entry.network)
+                    if entry.network is not None
+                    else NetworkOptions(EgressPolicy(allow_internet=entry.allow_internet))
+                ),
+                traffic_token=self._adopted_traffic_token(entry),
                 memory_mode="shared" if snap.files.memory_file is not None else "private",
                 disk_path=disk,
                 source_dir=snap.directory,

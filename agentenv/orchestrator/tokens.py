@@ -1,6 +1,8 @@
-"""envd access tokens, derived from a node key instead of stored.
+"""Sandbox access tokens (envd's, and the traffic token that guards a sandbox's other
+ports), derived from a node key instead of stored.
 
-A secured sandbox's token is HMAC-SHA256(key, sandbox id): the orchestrator can compute
+A secured sandbox's envd token is HMAC-SHA256(key, purpose, sandbox id), its traffic
+access token the same with another purpose: the orchestrator can compute
 it whenever it calls the sandbox's envd or hands the token to a client again
 (``connect``), so neither ``state.db`` nor a paused sandbox's record in the repository
 holds it; they keep its SHA-256 instead, which tells whether this node's key is the one
@@ -31,6 +33,7 @@ _KEY_BYTES = 32
 # Binds the HMAC to this use, so the key could serve other derivations later without
 # one value standing in for another.
 _PURPOSE = b"agentenv envd access token\x00"
+_TRAFFIC_PURPOSE = b"agentenv traffic access token\x00"
 
 
 class TokenKeyMismatch(ValueError):
@@ -71,10 +74,31 @@ class EnvdTokens:
         in ``key_file``."""
         return cls(bytes.fromhex(key_hex)) if key_hex else cls.load(key_file)
 
+    def _derive(self, purpose: bytes, sandbox_id: str) -> str:
+        mac = hmac.new(self._key, purpose + sandbox_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
     def token(self, sandbox_id: str) -> str:
         """The envd access token of sandbox ``sandbox_id``."""
-        mac = hmac.new(self._key, _PURPOSE + sandbox_id.encode(), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+        return self._derive(_PURPOSE, sandbox_id)
+
+    def traffic_token(self, sandbox_id: str) -> str:
+        """The traffic access token of sandbox ``sandbox_id`` (required on its ports
+        other than envd's when it refuses public traffic)."""
+        return self._derive(_TRAFFIC_PURPOSE, sandbox_id)
+
+    def restored_traffic(self, sandbox_id: str, digest: str | None) -> str | None:
+        """The traffic token a stored ``digest`` stands for (traffic tokens are only
+        ever stored as digests). :class:`TokenKeyMismatch` as :meth:`restored`."""
+        if digest is None:
+            return None
+        token = self.traffic_token(sandbox_id)
+        if not hmac.compare_digest(token_digest(token), digest):
+            raise TokenKeyMismatch(
+                f"the traffic token of sandbox {sandbox_id} was made with another key than "
+                f"this node's (envd_token_key, else {KEY_FILE} in the data directory)"
+            )
+        return token
 
     def is_derived(self, sandbox_id: str, token: str) -> bool:
         return hmac.compare_digest(token.encode(), self.token(sandbox_id).encode())

@@ -1,7 +1,16 @@
 """Forwarding HTTP and WebSocket traffic to a port inside a sandbox.
 
 A request is sandbox traffic when it carries ``E2b-Sandbox-Id`` (and optionally
-``E2b-Sandbox-Port``, default envd's port) or its Host is ``{port}-{sandboxID}.{domain}``.
+``E2b-Sandbox-Port``, default envd's port) or its Host is ``{port}-{sandboxID}.{domain}``
+for the configured domain exactly (any other Host is the control plane's; without a
+configured domain, only the headers route, since a server that does not know its domain
+cannot tell its own names from anyone else's).
+
+Every port but envd's is open to anyone who can reach the proxy, unless the sandbox was
+created with ``allowPublicTraffic: false``: then they need its traffic access token in
+``e2b-traffic-access-token`` (403 otherwise, checked before a paused sandbox is woken).
+A sandbox created with ``maskRequestHost`` gets that Host (``${PORT}`` replaced by the
+port) on every request to those ports.
 
 Requests for envd's port are checked against the sandbox's access token unless their path
 is exactly one of envd's public routes; their raw path is parsed once (see ``paths``) and
@@ -22,6 +31,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import websockets
@@ -35,13 +45,14 @@ from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 from agentenv.orchestrator.errors import OrchestratorError, SandboxNotFound
+from agentenv.orchestrator.network_options import traffic_token_matches
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.views import SandboxView
 from agentenv.proxy.paths import PathRefused, RequestPath
 
 log = logging.getLogger("agentenv.proxy")
 
-_HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[a-z0-9]+)\.")
+_HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[a-z0-9]+)\.(?P<domain>.+)$")
 # Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded, nor are the ones the
 # HTTP client recomputes.
 _HOP_BY_HOP = frozenset(
@@ -59,7 +70,9 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-_ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port"})
+_TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
+# Read by the proxy, never passed on to the sandbox.
+_ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", _TRAFFIC_TOKEN_HEADER})
 # The same bound h11 (and so envd) applies to a request head.
 MAX_HEADER_BYTES = 16 * 1024
 # envd routes that authenticate themselves, matched exactly: /health is public, /files
@@ -85,31 +98,52 @@ class Refusal:
         return JSONResponse({"code": self.status, "message": self.message}, status_code=self.status)
 
 
-def target_of(headers: Headers) -> ProxyTarget | None:
+def target_of(headers: Headers, domain: str | None) -> ProxyTarget | None:
+    """The sandbox port a request is for, or None for the control plane. Host names
+    route only when they are ``{port}-{id}.{domain}`` for `domain` (case-insensitive;
+    the ports of the Host and of `domain` are not compared)."""
     sandbox_id = headers.get("e2b-sandbox-id")
     if sandbox_id:
         port_text = headers.get("e2b-sandbox-port") or str(ENVD_PORT)
         port = int(port_text) if port_text.isdigit() else -1
         return ProxyTarget(sandbox_id.strip(), port)
-    match = _HOST_RE.match(headers.get("host", ""))
-    if match:
+    if not domain:
+        return None
+    match = _HOST_RE.match(_host_name(headers.get("host", "")))
+    if match and match["domain"] == _host_name(domain):
         return ProxyTarget(match["sandbox"], int(match["port"]))
     return None
 
 
-def _forwarded_headers(headers: Headers, *, websocket: bool = False) -> list[tuple[str, str]]:
-    return [
+def _host_name(host: str) -> str:
+    """`host` without its port and final dot, lower case."""
+    name, colon, port = host.strip().rpartition(":")
+    if not colon or not port.isdigit():
+        name = host.strip()
+    return name.lower().removesuffix(".")
+
+
+def _forwarded_headers(
+    headers: Headers, *, websocket: bool = False, host: str | None = None
+) -> list[tuple[str, str]]:
+    """The client's headers to send on; with `host`, that Host instead of the one the
+    HTTP client derives from the guest's address."""
+    forwarded = [
         (k, v)
         for k, v in headers.items()
         if k not in _HOP_BY_HOP
         and k not in _ROUTING_HEADERS
         and not (websocket and k.startswith("sec-websocket-"))
     ]
+    if host is not None:
+        forwarded.append(("host", host))
+    return forwarded
 
 
 class SandboxProxy:
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
+        self.domain = orchestrator.config.domain
         # One connection pool per sandbox: addresses are reused when a slot is reused, and
         # a kept-alive connection to a killed sandbox must never carry a new one's traffic.
         self._clients: dict[str, httpx.AsyncClient] = {}
@@ -151,6 +185,10 @@ class SandboxProxy:
             return Refusal(400, "E2b-Sandbox-Port must be a port number")
         if target.port == ENVD_CONTROL_PORT:
             return Refusal(403, f"port {ENVD_CONTROL_PORT} is reachable by the node only")
+        if target.port != ENVD_PORT and not self._public_traffic_admitted(target, headers):
+            # Before the sandbox is woken: a request that may not reach it must not
+            # resume it either.
+            return Refusal(403, f"missing or invalid {_TRAFFIC_TOKEN_HEADER} for this sandbox")
         try:
             view = await self.orchestrator.ready_for_traffic(target.sandbox_id)
         except SandboxNotFound:
@@ -172,6 +210,14 @@ class SandboxProxy:
                 return Refusal(401, "missing or invalid X-Access-Token for this sandbox")
         return view
 
+    def _public_traffic_admitted(self, target: ProxyTarget, headers: Headers) -> bool:
+        """Whether traffic to a port other than envd's may pass: always, unless the
+        sandbox refuses public traffic and the request lacks its traffic access token."""
+        rec = self.orchestrator.store.get_sandbox(target.sandbox_id)
+        if rec is None or rec.network.allow_public_traffic:
+            return True  # an unknown sandbox is refused as such by the caller
+        return traffic_token_matches(rec.traffic_token, headers.get(_TRAFFIC_TOKEN_HEADER))
+
     # -- HTTP ---------------------------------------------------------------------------
     async def forward(self, request: Request, target: ProxyTarget) -> Response:
         path = request_path(request.scope, target)
@@ -190,7 +236,7 @@ class SandboxProxy:
         upstream_request = client.build_request(
             request.method,
             url,
-            headers=_forwarded_headers(request.headers),
+            headers=_forwarded_headers(request.headers, host=_masked_host(admitted, target)),
             content=request.stream() if has_body else None,
         )
         try:
@@ -228,12 +274,22 @@ class SandboxProxy:
             await _deny_websocket(send, admitted)
             return
         query = scope.get("query_string", b"").decode("latin-1")
-        url = f"ws://{admitted.guest_address}:{target.port}{path.raw.decode('latin-1')}"
+        masked = _masked_host(admitted, target)
+        # The client sends the URL's host as Host: a masked Host goes in the URL and the
+        # connection is pointed at the guest explicitly.
+        url = f"ws://{masked or f'{admitted.guest_address}:{target.port}'}"
+        url += path.raw.decode("latin-1")
         if query:
             url += "?" + query
+        direct: dict[str, Any] = {
+            "host": admitted.guest_address,
+            "port": target.port,
+            "proxy": None,
+        }
         try:
             upstream = await ws_connect(
                 url,
+                **(direct if masked else {}),
                 additional_headers=_forwarded_headers(headers, websocket=True),
                 subprotocols=scope.get("subprotocols") or None,
                 open_timeout=10,
@@ -254,6 +310,14 @@ class SandboxProxy:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+
+def _masked_host(view: SandboxView, target: ProxyTarget) -> str | None:
+    """The Host the sandbox asked its ports to see (``maskRequestHost``), or None. envd's
+    port keeps the client's: it is the platform's agent, not the user's service."""
+    if target.port == ENVD_PORT:
+        return None
+    return view.record.network.forwarded_host(target.port)
 
 
 def request_path(scope: Scope, target: ProxyTarget) -> RequestPath | Refusal:
@@ -369,7 +433,7 @@ class SandboxTrafficMiddleware:
                     await receive()
                     await _deny_websocket(send, refusal)
                 return
-            target = target_of(Headers(scope=scope))
+            target = target_of(Headers(scope=scope), self.proxy.domain)
             if target is not None:
                 if scope["type"] == "http":
                     request = Request(scope, receive)
