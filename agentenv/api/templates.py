@@ -108,7 +108,13 @@ def template_routes(
             with open(tmp, "wb") as f:  # noqa: ASYNC230
                 async for chunk in request.stream():
                     f.write(chunk)
-            os.replace(tmp, path)
+            # The first upload under a hash stays: another one must not replace an
+            # archive a build has checked (builds check an upload against its hash
+            # before using it, and remove one that does not match).
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
         finally:
             tmp.unlink(missing_ok=True)
         return Response(status_code=200)
@@ -130,7 +136,7 @@ def template_routes(
             plan = parse_build(body)
         except PlanError as exc:
             raise InvalidRequest(str(exc)) from exc
-        builds.start(build, plan)
+        await builds.start(build, plan)
         return Response(status_code=202)
 
     @router.get(

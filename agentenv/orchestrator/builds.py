@@ -46,6 +46,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.store import utcnow
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
+from agentenv.orchestrator.upload_check import UploadMismatch, check_upload
 from agentenv.orchestrator.views import SandboxView, SnapshotView
 from agentenv.snapshots.layout import MachineSnapshot
 from agentenv.storage.oci import ImageError, pull_image
@@ -136,6 +137,25 @@ class BuildManager:
             raise InvalidRequest(f"bad files hash {files_hash!r}")
         return self.uploads_dir / files_hash.lower()
 
+    def _verified_marker(self, files_hash: str) -> Path:
+        return self.upload_path(files_hash).with_suffix(".verified")
+
+    async def _check_upload(self, step: CopyStep) -> None:
+        """Refuse a COPY step whose upload is missing or is not what its hash names (the
+        mismatching upload is removed, so the client's next attempt uploads again)."""
+        path = self.upload_path(step.files_hash)
+        if not path.exists():
+            raise InvalidRequest(f"files {step.files_hash} of a COPY step were not uploaded")
+        marker = self._verified_marker(step.files_hash)
+        if marker.exists():
+            return
+        try:
+            await asyncio.to_thread(check_upload, path, step.files_hash, step.src, step.dest)
+        except UploadMismatch as exc:
+            path.unlink(missing_ok=True)
+            raise InvalidRequest(f"{exc}; upload it again") from None
+        marker.touch()
+
     # -- records -------------------------------------------------------------------------
     def register(self, name: str, cpu_count: int | None, memory_mb: int | None) -> Build:
         if not name or len(name) > 128 or any(c.isspace() for c in name):
@@ -163,12 +183,14 @@ class BuildManager:
     def builds(self) -> list[Build]:
         return list(self._builds.values())
 
-    def start(self, build: Build, plan: BuildPlan) -> None:
+    async def start(self, build: Build, plan: BuildPlan) -> None:
         if build.status != "waiting":
             raise Conflict(f"build {build.build_id} was already started")
         for step in plan.steps:
-            if isinstance(step, CopyStep) and not self.upload_path(step.files_hash).exists():
-                raise InvalidRequest(f"files {step.files_hash} of a COPY step were not uploaded")
+            if isinstance(step, CopyStep):
+                await self._check_upload(step)
+        if build.status != "waiting":  # started meanwhile, by a request that did not wait
+            raise Conflict(f"build {build.build_id} was already started")
         build.status = "building"
         build.log(f"build {build.build_id} of template {build.name!r} started")
         build.task = asyncio.get_running_loop().create_task(self._run(build, plan))

@@ -7,11 +7,11 @@ the uplink: link-local (cloud metadata), RFC 1918 and the host's own LAN were op
 counts is what leaves through the host's default interface, so a counter table on that
 interface records every packet to the probed addresses.
 
-Sandboxes are created through the API (``allow_internet_access``). Until the API carries the
-rest of E2B's network options, a policy is applied to a running sandbox the way the
-orchestrator will: :meth:`NetworkManager.update_policy` on the sandbox's slot, from a
-manager with the server's prefix and subnet in this process (so the host-name filter of
-those tests runs here, with a resolver the test controls).
+Sandboxes are created, and their rules changed while they run, through the API as e2b's
+SDK sends them (the create body's ``network``, ``PUT /sandboxes/{id}/network``). Only the
+host-name test applies its policy from a :class:`NetworkManager` in this process (with the
+server's prefix and subnet), so its filter resolves names with a resolver the test
+controls: this host has no DNS to the internet.
 """
 
 from __future__ import annotations
@@ -195,10 +195,27 @@ def sandboxes(server: ServerProcess) -> Iterator[list[str]]:
             client.delete(f"/sandboxes/{sandbox_id}")
 
 
-def _new_sandbox(server: ServerProcess, sandboxes: list[str], *, internet: bool) -> str:
-    sandbox_id = create_sandbox_id(server, timeout=600, allow_internet_access=internet)
+def _new_sandbox(
+    server: ServerProcess,
+    sandboxes: list[str],
+    *,
+    internet: bool,
+    network: dict[str, object] | None = None,
+) -> str:
+    body: dict[str, object] = {"timeout": 600, "allow_internet_access": internet}
+    if network is not None:
+        body["network"] = network
+    sandbox_id = create_sandbox_id(server, **body)
     sandboxes.append(sandbox_id)
     return sandbox_id
+
+
+def _update_network(server: ServerProcess, sandbox_id: str, **body: object) -> None:
+    """``PUT /sandboxes/{id}/network`` with the body e2b's ``Sandbox.update_network``
+    sends: the rules given replace all the old ones."""
+    with server.client() as client:
+        answer = client.put(f"/sandboxes/{sandbox_id}/network", json=body)
+    assert answer.status_code == 204, answer.text
 
 
 async def _probe(server: ServerProcess, sandbox_id: str, targets: list[str]) -> dict[str, str]:
@@ -237,16 +254,16 @@ async def test_guest_reaches_no_blocked_range_by_default(
 async def test_allow_out_opens_only_what_it_names(
     server: ServerProcess,
     sandboxes: list[str],
-    server_network: NetworkManager,
     uplink_counters: dict[str, int],
     host_listeners: list[str],
 ) -> None:
-    sandbox_id = _new_sandbox(server, sandboxes, internet=True)
     named_local = host_listeners[1].split(":")[0]
-    policy = EgressPolicy.parse(
-        allow_internet=True, allow_out=[str(GATEWAY), METADATA, named_local, "0.0.0.0/0"]
+    sandbox_id = _new_sandbox(
+        server,
+        sandboxes,
+        internet=True,
+        network={"allowOut": [str(GATEWAY), METADATA, named_local, "0.0.0.0/0"]},
     )
-    await server_network.update_policy(_slot(server, sandbox_id), policy)
     targets = [f"{GATEWAY}:80", f"{METADATA}:80", f"{PRIVATE_10}:80", host_listeners[1]]
     outcome = await _probe(server, sandbox_id, targets)
     # The named LAN host answers; the named metadata address is let out of the uplink
@@ -272,45 +289,36 @@ async def test_allow_internet_false_lets_nothing_out(
 async def test_deny_out_and_runtime_updates_change_what_a_running_guest_reaches(
     server: ServerProcess,
     sandboxes: list[str],
-    server_network: NetworkManager,
     uplink_counters: dict[str, int],
 ) -> None:
     if not _host_has_internet():
         pytest.skip(f"this host cannot reach {PUBLIC}:443")
     sandbox_id = _new_sandbox(server, sandboxes, internet=True)
-    slot = _slot(server, sandbox_id)
     targets = [f"{PUBLIC}:443", f"{OTHER_PUBLIC}:443"]
     assert await _probe(server, sandbox_id, targets) == dict.fromkeys(targets, "reached")
 
-    await server_network.update_policy(
-        slot, EgressPolicy.parse(allow_internet=True, deny_out=[f"{PUBLIC}/32"])
-    )
+    _update_network(server, sandbox_id, denyOut=[f"{PUBLIC}/32"], allow_internet_access=True)
     assert await _probe(server, sandbox_id, targets) == {
         targets[0]: "prohibited",
         targets[1]: "reached",
     }
-    await server_network.update_policy(
-        slot, EgressPolicy.parse(allow_internet=False, allow_out=[PUBLIC])
-    )
+    _update_network(server, sandbox_id, allowOut=[PUBLIC], allow_internet_access=False)
     assert await _probe(server, sandbox_id, targets) == {
         targets[0]: "reached",
         targets[1]: "prohibited",
     }
-    await server_network.update_policy(slot, EgressPolicy(allow_internet=False))
+    _update_network(server, sandbox_id, allow_internet_access=False)
     assert await _probe(server, sandbox_id, targets) == dict.fromkeys(targets, "prohibited")
     # The sandbox still answers the host (envd) throughout.
     assert run_command(server.url, sandbox_id, "echo alive").stdout == "alive\n"
 
 
 async def test_dns_goes_only_to_the_named_servers(
-    server: ServerProcess, sandboxes: list[str], server_network: NetworkManager
+    server: ServerProcess, sandboxes: list[str]
 ) -> None:
     if not _host_has_internet():
         pytest.skip(f"this host cannot reach {PUBLIC}")
-    sandbox_id = _new_sandbox(server, sandboxes, internet=True)
-    await server_network.update_policy(
-        _slot(server, sandbox_id), EgressPolicy.parse(allow_internet=True, dns_servers=[PUBLIC])
-    )
+    sandbox_id = _new_sandbox(server, sandboxes, internet=True, network={"dnsServers": [PUBLIC]})
     outcome = await _probe(server, sandbox_id, [f"{PUBLIC}:53", "8.8.8.8:53", f"{PUBLIC}:443"])
     assert outcome == {
         f"{PUBLIC}:53": "reached",
