@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -45,7 +46,7 @@ from agentenv.vmm.base import (
     VMRunState,
 )
 from agentenv.vmm.cgroups import VmmCgroups
-from agentenv.vmm.confine import Confinement
+from agentenv.vmm.confine import Confinement, VmmJail
 from agentenv.vmm.process import read_cmdline
 from agentenv.vmm.qemu import QemuDriver, QemuVM
 
@@ -755,3 +756,35 @@ async def test_boot_in_network_namespace(
         if vm is not None:
             await vm.kill()
         _run("ip", "netns", "delete", netns)
+
+
+def test_jail_tree_is_traversable_under_the_servers_umask(tmp_path: Path) -> None:
+    """The server runs with umask 077 (a private data directory); the directories of a
+    VMM's jail tree must still be 0711, or the unprivileged VMM cannot reach its files."""
+    data = tmp_path / "data"
+    files = data / "templates" / "t"
+    files.mkdir(parents=True)
+    workdir = data / "sandboxes" / "s1"
+    workdir.mkdir(parents=True)
+    confinement = Confinement(
+        data_dir=data,
+        id_base=2_000_000_000,
+        device_gid=1_999_999_999,
+        cgroups=VmmCgroups(2, "agentenv-test", (tmp_path,), ("memory", "cpu", "pids")),
+        memory_overhead_mib=256,
+        pids_max=512,
+    )
+    jail = VmmJail(confinement, 2_000_000_001, workdir)
+    spec = _plain_spec(files, memory_file=workdir / "ram")
+    old = os.umask(0o077)
+    try:
+        jail.build(spec)
+    finally:
+        os.umask(old)
+    directories = [jail.root, *(p for p in jail.root.rglob("*") if p.is_dir())]
+    assert len(directories) > 3
+    for directory in directories:
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o711, directory
+    linked = jail.root / os.path.relpath(spec.kernel, jail.hides)
+    assert linked.samefile(spec.kernel)
+    assert stat.S_IMODE(spec.kernel.stat().st_mode) == 0o640

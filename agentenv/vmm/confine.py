@@ -225,8 +225,12 @@ class VmmJail:
         target = self.root
         for part in relative.parts:
             target = target / part
-            with contextlib.suppress(FileExistsError):
-                target.mkdir(mode=0o711)
+            try:
+                target.mkdir()
+            except FileExistsError:
+                continue
+            # Set, not passed to mkdir: the server's umask (077) would take the x bits.
+            target.chmod(0o711)
         return target
 
     def admit(self, path: Path, *, writable: bool) -> None:
@@ -276,7 +280,8 @@ class VmmJail:
         """Build the jail tree for ``spec`` from scratch and set the ownership of every
         file in it; the work directory becomes the VMM's."""
         self.remove_tree()
-        self.root.mkdir(mode=0o711)
+        self.root.mkdir()
+        self.root.chmod(0o711)
         try:
             os.chown(self.workdir, self.uid, self.confinement.gid)
             os.chmod(self.workdir, 0o700)
