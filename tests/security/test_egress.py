@@ -367,3 +367,50 @@ async def test_host_names_are_decided_on_sni_and_host(
     outcome = await _probe(server, sandbox_id, [f"{PUBLIC}:8443"])
     assert outcome[f"{PUBLIC}:8443"] == "prohibited"
     assert _read_counters(uplink_counters)[METADATA] == 0
+
+
+# Run in the guest as root: send UDP datagrams to argv[1]:9 through a raw socket with the
+# IP header written here, first with each source address in argv[2:] (spoofed), then with
+# the guest's own. Prints the guest's own address.
+GUEST_SPOOF = r"""
+import socket, struct, sys
+target, spoofed = sys.argv[1], sys.argv[2:]
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((target, 9))
+own = probe.getsockname()[0]
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+def checksum(data):
+    total = sum(struct.unpack("!%dH" % (len(data) // 2), data))
+    total = (total >> 16) + (total & 0xFFFF)
+    return ~(total + (total >> 16)) & 0xFFFF
+def datagram(source):
+    payload = b"spoofed?"
+    udp = struct.pack("!HHHH", 40000, 9, 8 + len(payload), 0) + payload
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0,
+                         socket.inet_aton(source), socket.inet_aton(target))
+    header = header[:10] + struct.pack("!H", checksum(header)) + header[12:]
+    return header + udp
+for source in spoofed + [own]:
+    for _ in range(5):
+        raw.sendto(datagram(source), (target, 0))
+print(own)
+"""
+
+
+async def test_spoofed_sources_never_leave(
+    server: ServerProcess, sandboxes: list[str], uplink_counters: dict[str, int]
+) -> None:
+    """A hostile guest writes its own IP headers: datagrams with another source (a
+    private address, the host's, a public one, a link-local neighbour of its own) are
+    dropped in its namespace, while the same datagrams with its own source reach the
+    uplink (the destination is opened by allowOut, so only the source decides)."""
+    sandbox_id = _new_sandbox(server, sandboxes, internet=True, network={"allowOut": [METADATA]})
+    spoofed = [PRIVATE_192, str(HOST_ADDRESS), OTHER_PUBLIC, "169.254.0.22"]
+    command = f"python3 -c '{GUEST_SPOOF}' {METADATA} " + " ".join(spoofed)
+    result = await asyncio.to_thread(
+        run_command, server.url, sandbox_id, command, user="root", timeout=120
+    )
+    assert result.exit_code == 0, result.stderr
+    counts = _read_counters(uplink_counters)
+    # Exactly the five with the guest's own source left (masqueraded), none of the 20.
+    assert counts[METADATA] == 5, counts
