@@ -313,6 +313,11 @@ class NetworkManager:
         # The guest network is IPv4 only; this keeps router solicitations and DAD off tap0.
         _write_sysctl("net/ipv6/conf/all/disable_ipv6", "1")
         _write_sysctl("net/ipv6/conf/default/disable_ipv6", "1")
+        # Egress refusals are ICMP errors to the guest; the kernel's per-peer limit (a
+        # burst of 6, then one a second) would turn the 7th refusal in a row into a
+        # silent drop and the guest's connect into a timeout. The errors only ever go to
+        # this sandbox's own guest, so there is nothing for the limit to protect.
+        _write_sysctl("net/ipv4/icmp_ratelimit", "0")
         # nft takes longer to start than all the netlink work below; its rules match
         # interfaces by name, so it can load them while the interfaces are being made.
         # The ruleset is written to it once the host's addresses have been read.
