@@ -145,7 +145,9 @@ def make_data_private(home: Path) -> int:
     root's entries in another group (what confined VMMs only read, given to their group)
     keep their group bits and lose only the others'.
     ``oci/`` is tightened but not entered: a guest root tree being built there keeps the
-    modes its image gave it. Returns how many entries changed."""
+    modes its image gave it. Jail trees of confined VMMs (0711 directories of links, which
+    a running VMM traverses) are neither tightened nor entered. Returns how many entries
+    changed."""
     changed = 0
 
     def tighten(path: str, st: os.stat_result) -> None:
@@ -161,6 +163,7 @@ def make_data_private(home: Path) -> int:
         return 0
     tighten(str(home), home.stat())
     for root, dirs, files in os.walk(home):
+        dirs[:] = [name for name in dirs if not name.startswith(confine.JAIL_PREFIX)]
         if Path(root) == home and "oci" in dirs:
             dirs.remove("oci")
             tighten(str(home / "oci"), (home / "oci").lstat())

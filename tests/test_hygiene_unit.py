@@ -153,8 +153,21 @@ def test_start_up_pass_makes_the_data_directory_private(tmp_path: Path) -> None:
     outside.write_text("not the server's to change")
     os.chmod(outside, 0o644)
     (home / "link").symlink_to(outside)
+    # What confined VMMs use and a restarted server must leave as it is: a running
+    # VMM's jail tree (0711 directories) and a file given to the VMM group (0640).
+    jail = home / "sandboxes" / ".jail-ia" / "templates"
+    jail.mkdir(parents=True)
+    for directory in (jail, jail.parent):
+        os.chmod(directory, 0o711)
+    given = home / "kernel"
+    given.write_bytes(b"k")
+    os.chown(given, 0, 1_000_000_000)
+    os.chmod(given, 0o644)
 
     assert make_data_private(home) > 0
+    assert stat.S_IMODE(jail.stat().st_mode) == 0o711
+    assert stat.S_IMODE(jail.parent.stat().st_mode) == 0o711
+    assert stat.S_IMODE(given.stat().st_mode) == 0o640  # the group keeps read
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
     assert stat.S_IMODE((home / "sandboxes").stat().st_mode) == 0o700
     assert stat.S_IMODE((home / "state.db").stat().st_mode) == 0o600

@@ -33,16 +33,14 @@ import ipaddress
 import logging
 import socket
 import struct
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import h11
-from pyroute2 import netns
 
 from agentenv.network.addresses import GUEST_GATEWAY
 from agentenv.network.egress_rules import FILTER_PORT, BlockedRanges, decide_address
+from agentenv.network.namespaces import call_in_namespace
 from agentenv.network.policy import EgressPolicy
 
 __all__ = [
@@ -59,7 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 
 _SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
 _FIRST_BYTES_LIMIT = 16 * 1024  # a ClientHello or request head larger than this is refused
@@ -190,28 +187,6 @@ def decide_connection(
 # -- serving -------------------------------------------------------------------------------
 
 
-def _in_namespace(name: str, func: Callable[[], _T]) -> _T:
-    """Call `func` in a fresh thread that has entered namespace `name` (sockets made
-    there stay in it). Blocking: a thread start and two setns calls."""
-    outcome: list[_T] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            netns.setns(name, flags=0)
-            outcome.append(func())
-        except BaseException as exc:
-            failure.append(exc)
-
-    # A fresh thread, never a pool thread: it ends inside the namespace.
-    worker = threading.Thread(target=run, name=f"netns-filter-{name}")
-    worker.start()
-    worker.join()
-    if failure:
-        raise failure[0]
-    return outcome[0]
-
-
 def _listening_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -285,7 +260,7 @@ class EgressFilter:
             return
         if current is not None:
             await self.stop(slot)
-        sock = await asyncio.to_thread(_in_namespace, namespace, _listening_socket)
+        sock = await asyncio.to_thread(call_in_namespace, namespace, _listening_socket)
         try:
             server = await asyncio.start_server(
                 lambda reader, writer: self._accept(slot, reader, writer), sock=sock
@@ -361,7 +336,7 @@ class EgressFilter:
             addresses = [verdict.address]
         last: OSError | None = None
         for address in dict.fromkeys(addresses):
-            sock = await asyncio.to_thread(_in_namespace, sandbox.namespace, _connecting_socket)
+            sock = await asyncio.to_thread(call_in_namespace, sandbox.namespace, _connecting_socket)
             try:
                 await asyncio.wait_for(
                     asyncio.get_running_loop().sock_connect(sock, (str(address), port)),

@@ -56,6 +56,7 @@ from agentenv.network.egress_rules import (
     policy_chains,
     policy_update_script,
 )
+from agentenv.network.namespaces import call_in_namespace
 from agentenv.network.policy import EgressPolicy
 
 __all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
@@ -346,22 +347,9 @@ class NetworkManager:
     ) -> None:
         """Rewrite the policy's chains in `net`'s namespace in one nft transaction.
         Blocking; runs in its own thread, which it moves into the namespace."""
-        outcome: list[BaseException] = []
-
-        def replace() -> None:
-            try:
-                netns.setns(net.netns, flags=0)
-                nft = _NftRun()
-                nft.finish(policy_update_script(policy, blocked))
-            except BaseException as exc:
-                outcome.append(exc)
-
-        # A fresh thread, never a pool thread: it ends inside the sandbox namespace.
-        worker = threading.Thread(target=replace, name=f"netns-policy-{net.netns}")
-        worker.start()
-        worker.join()
-        if outcome:
-            raise outcome[0]
+        call_in_namespace(
+            net.netns, lambda: _NftRun().finish(policy_update_script(policy, blocked))
+        )
 
     def _configure_links(
         self, host: IPRoute, inside: IPRoute, net: SandboxNetwork

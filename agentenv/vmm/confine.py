@@ -30,10 +30,10 @@ import contextlib
 import os
 import shutil
 import stat
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentenv.storage.images import backing_file
 from agentenv.vmm.base import MachineSpec
 from agentenv.vmm.cgroups import CgroupError, CgroupLimits, VmmCgroups
 from agentenv.vmm.launch import Credentials, Jail
@@ -50,8 +50,9 @@ TOOLS = ("setpriv", "unshare", "nsenter", "mount")
 #: Devices a VMM opens (KVM, taps).
 DEVICES = (Path("/dev/kvm"), Path("/dev/net/tun"))
 
-_QCOW2_MAGIC = b"QFI\xfb"
 _MAX_BACKING_CHAIN = 1000
+#: Name prefix of a jail tree's directory (beside the VMM's work directory).
+JAIL_PREFIX = ".jail-"
 
 
 class ConfinementError(Exception):
@@ -166,7 +167,7 @@ def hidden_top(data_dir: Path) -> Path:
 def jail_root(workdir: Path) -> Path:
     """Where the jail tree of the VMM working in ``workdir`` is built: beside it, in a
     directory the VMM itself cannot reach on the host."""
-    return workdir.parent / f".jail-{workdir.name}"
+    return workdir.parent / f"{JAIL_PREFIX}{workdir.name}"
 
 
 def backing_chain(image: Path) -> list[Path]:
@@ -176,20 +177,11 @@ def backing_chain(image: Path) -> list[Path]:
     current = image
     for _ in range(_MAX_BACKING_CHAIN):
         try:
-            with open(current, "rb") as f:
-                header = f.read(20)
-                if len(header) < 20 or header[:4] != _QCOW2_MAGIC:
-                    return chain
-                offset, size = struct.unpack(">QI", header[8:20])
-                if offset == 0 or size == 0:
-                    return chain
-                f.seek(offset)
-                name = f.read(size).decode()
-        except OSError:
+            backing = backing_file(current)
+        except (OSError, UnicodeDecodeError):
             return chain
-        backing = Path(name)
-        if not backing.is_absolute():
-            backing = current.parent / backing
+        if backing is None:
+            return chain
         backing = Path(os.path.normpath(backing))
         chain.append(backing)
         current = backing

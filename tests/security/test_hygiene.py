@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentenv.config import Config
 from tests.helpers import ServerProcess, envelope, live_server, run_command
 
 pytestmark = pytest.mark.vm
@@ -81,17 +82,30 @@ def secured(node: ServerProcess) -> Iterator[dict[str, Any]]:
         c.delete(f"/sandboxes/{body['sandboxID']}")
 
 
-def _exposed(home: Path) -> list[str]:
-    """Entries under ``home`` (and itself) that give group or others any permission."""
+def _exposed(home: Path, vmm_id_base: int) -> list[str]:
+    """Entries under ``home`` (and itself) open to more than root and the VMMs: the
+    directory itself must be 0700; below it, group bits only for a VMM group (ids from
+    ``vmm_id_base``: files a confined VMM reads, given to it on purpose), and for others
+    only the search bit of a VMM's jail directories (0711, reachable only through the
+    VMM's own mount namespace, since ``home`` is 0700)."""
     found = []
+    if stat.S_IMODE(home.stat().st_mode) != 0o700:
+        found.append(f"{home} {stat.filemode(home.stat().st_mode)}")
     for root, dirs, files in os.walk(home):
-        for path in [Path(root)] + [Path(root) / name for name in dirs + files]:
+        for path in [Path(root) / name for name in dirs + files]:
             try:
                 st = path.lstat()
             except FileNotFoundError:
                 continue
-            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
-                found.append(f"{path} {stat.filemode(st.st_mode)}")
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            group, other = st.st_mode & 0o070, st.st_mode & 0o007
+            if stat.S_ISDIR(st.st_mode) and ".jail-" in str(path):
+                exposed = stat.S_IMODE(st.st_mode) != 0o711
+            else:
+                exposed = bool(other) or (bool(group) and st.st_gid < vmm_id_base)
+            if exposed:
+                found.append(f"{path} {stat.filemode(st.st_mode)} gid {st.st_gid}")
     return sorted(set(found))
 
 
@@ -106,7 +120,7 @@ def test_data_directory_is_private(node: ServerProcess, secured: dict[str, Any])
     sandbox_id = secured["sandboxID"]
     assert run_command(node.url, sandbox_id, "echo hi").stdout == "hi\n"
     assert (node.home / "sandboxes" / sandbox_id).is_dir()
-    assert _exposed(node.home) == []
+    assert _exposed(node.home, Config().vmm_id_base) == []
     for name in ("state.db", "envd_token.key", "old-server.log"):
         denied = _as_nobody("cat", str(node.home / name))
         assert denied.returncode != 0 and b"Permission denied" in denied.stderr, name
