@@ -259,11 +259,25 @@ def test_fork_bomb_stays_in_its_cgroup(node: ServerProcess) -> None:
         f"neighbour `true`: idle {idle * 1000:.0f} ms, under the fork bomb "
         f"{loaded * 1000:.0f} ms; the bomber's VMM used {bomber_cores:.2f} cores meanwhile"
     )
-    # Reported unconfined: 0.13 s -> 0.41 s (3.2x). A loose bound, not a timing claim: the
-    # host is shared, and with 2 vCPUs on 2 cores the cap alone does not bite (see the
-    # module docstring); what keeps the neighbour going is fair scheduling between cgroups.
-    assert loaded < 3 * idle + 0.05, (idle, loaded)
-    # The bomber's VMM is still within its limits and alive (its guest may not answer).
+    # Reported unconfined: 0.13 s -> 0.41 s (3.2x). How much the neighbour slows is a
+    # measurement (bench/neighbour.py compares confined and unconfined VMMs in one run);
+    # what is checked here is containment: every neighbour command above succeeded while
+    # the bomb ran, the bomber's VMM is still the only process in its own CPU cgroup,
+    # capped at its vCPUs, and within its thread limit.
+    dirs = _cgroup_dirs(bomber_pid)
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():  # cgroup v2 host
+        cpu = Path("/sys/fs/cgroup") / dirs["unified"].relative_to("/sys/fs/cgroup/unified")
+    else:
+        cpu = dirs["cpu"]
+    assert "/vm-" in str(cpu), dirs
+    assert [int(p) for p in (cpu / "cgroup.procs").read_text().split()] == [bomber_pid]
+    quota = (
+        (cpu / "cpu.max").read_text().split()[0]
+        if (cpu / "cpu.max").exists()
+        else (cpu / "cpu.cfs_quota_us").read_text().strip()
+    )
+    vcpus = node.client().get(f"/sandboxes/{bomber}").json()["cpuCount"]
+    assert quota == str(vcpus * 100_000), quota
     assert len(os.listdir(f"/proc/{bomber_pid}/task")) <= 512
     with node.client() as c:
         c.delete(f"/sandboxes/{bomber}")
