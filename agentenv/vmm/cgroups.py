@@ -143,6 +143,19 @@ class VmmCgroups:
             raise CgroupError(f"cannot create cgroup {name}: {exc}") from exc
         return paths
 
+    @staticmethod
+    def join(pid: int, paths: tuple[Path, ...]) -> None:
+        """Move process ``pid``, all its threads, into the cgroup directories ``paths``
+        (one per hierarchy). Each move waits for an RCU grace period in the kernel (about
+        10 to 20 ms here) unless another move happened just before, which is why a
+        restoring VMM is moved while it starts rather than before (see the QEMU driver).
+        On a v1 memory hierarchy what the process was charged before stays where it was."""
+        try:
+            for path in paths:
+                (path / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            raise CgroupError(f"cannot move process {pid} into {path}: {exc}") from exc
+
     def remove(self, name: str, wait_s: float = 0.0) -> bool:
         """Remove cgroup ``name`` if it is there and empty; a just-exited VMM may leave it
         populated for a moment, so retry for up to ``wait_s``. True if none is left."""

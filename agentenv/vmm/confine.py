@@ -306,6 +306,12 @@ class VmmJail:
         except CgroupError as exc:
             raise ConfinementError(str(exc)) from exc
 
+    def join_cgroup(self, pid: int, paths: tuple[Path, ...]) -> None:
+        try:
+            self.confinement.cgroups.join(pid, paths)
+        except CgroupError as exc:
+            raise ConfinementError(str(exc)) from exc
+
     def remove_tree(self) -> None:
         if self.root.exists():
             shutil.rmtree(self.root)
