@@ -25,7 +25,7 @@ from agentenv.snapshots.repository import Repository
 from agentenv.vmm import confine
 from agentenv.vmm.accel import resolve_accelerator
 from agentenv.vmm.base import VMMDriver
-from agentenv.vmm.cgroups import VmmCgroups
+from agentenv.vmm.cgroups import CgroupError, VmmCgroups, favor_dynamic_moves
 from agentenv.vmm.firecracker import FirecrackerDriver
 from agentenv.vmm.firecracker_binary import find_firecracker
 from agentenv.vmm.qemu import QemuDriver
@@ -95,6 +95,13 @@ def vmm_confinement(config: Config) -> confine.Confinement | None:
         confinement.prepare_host()
     except confine.ConfinementError as exc:
         raise NodeSetupError(f"cannot confine VMMs: {exc}") from exc
+    if config.cgroup_favordynmods:
+        try:
+            log.info(
+                "%s (VMMs join their cgroups without an RCU grace period)", favor_dynamic_moves()
+            )
+        except CgroupError as exc:
+            log.warning("%s: every VMM start waits 10-20 ms to join its cgroup", exc)
     # Cgroups of VMMs that exited while no server watched them.
     confinement.cgroups.reclaim()
     return confinement

@@ -15,6 +15,7 @@ hierarchy; the VMM joins all of them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import time
@@ -197,3 +198,60 @@ class VmmCgroups:
         except OSError:
             return False
         return f"/{self.parent_name}/vm-" in text
+
+
+# -- favordynmods --------------------------------------------------------------------------
+
+FAVORDYNMODS = "favordynmods"
+# Per-mount flags a remount must pass again, or it clears them (mount(2) MS_* values).
+_MOUNT_FLAGS = {
+    "ro": 1,
+    "nosuid": 2,
+    "nodev": 4,
+    "noexec": 8,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+}
+_MS_REMOUNT = 32
+
+
+def remount_request(mountinfo: str) -> tuple[Path, int, str] | None:
+    """What remounting the first cgroup2 hierarchy in ``mountinfo`` (/proc/self/
+    mountinfo's text) with ``favordynmods`` takes: its mount point, the mount(2) flags
+    (its per-mount options again, or the remount clears them) and the superblock options
+    (its own plus ``favordynmods``). None if it has the option already. Raises
+    :class:`CgroupError` if no cgroup2 hierarchy is mounted."""
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts, rest = fields.split(), tail.split()
+        if len(parts) < 6 or len(rest) < 3 or rest[0] != "cgroup2":
+            continue
+        point, mount_options, super_options = Path(parts[4]), parts[5], rest[2].split(",")
+        if FAVORDYNMODS in super_options:
+            return None
+        flags = _MS_REMOUNT
+        for option in mount_options.split(","):
+            flags |= _MOUNT_FLAGS.get(option, 0)
+        kept = [o for o in super_options if o not in ("rw", "ro")]
+        return point, flags, ",".join([*kept, FAVORDYNMODS])
+    raise CgroupError("no cgroup2 hierarchy is mounted")
+
+
+def favor_dynamic_moves(mountinfo: Path = Path("/proc/self/mountinfo")) -> str:
+    """Remount the host's cgroup2 hierarchy with ``favordynmods`` (Linux 6.0+), keeping
+    its other options, so that moving a process into a cgroup stops waiting for an RCU
+    grace period (10 to 20 ms per VMM start measured here, on v2 and hybrid hosts alike:
+    the lock it waits for is global), at the cost of slightly dearer forks and exits
+    host-wide. Returns what it did, for the log; :class:`CgroupError` if it cannot."""
+    request = remount_request(mountinfo.read_text())
+    if request is None:
+        return f"the cgroup2 hierarchy already has {FAVORDYNMODS}"
+    point, flags, data = request
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(None, str(point).encode(), None, flags, data.encode()) != 0:
+        code = ctypes.get_errno()
+        raise CgroupError(
+            f"cannot remount {point} with {FAVORDYNMODS}: {errno.errorcode.get(code, code)}"
+        )
+    return f"remounted {point} with {FAVORDYNMODS}"

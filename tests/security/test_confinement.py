@@ -28,7 +28,13 @@ import pytest
 
 from agentenv.config import Config
 from agentenv.server import NodeSetupError, vmm_confinement
-from agentenv.vmm.cgroups import CgroupError, CgroupLimits, VmmCgroups
+from agentenv.vmm.cgroups import (
+    CgroupError,
+    CgroupLimits,
+    VmmCgroups,
+    favor_dynamic_moves,
+    remount_request,
+)
 from agentenv.vmm.qemu import bound_file
 from tests.helpers import ServerProcess, create_sandbox_id, live_server, run_command, vmm_pids
 
@@ -79,6 +85,35 @@ def test_cgroup_v1_hierarchies_on_a_hybrid_host(tmp_path: Path) -> None:
     assert (memory / "memory.limit_in_bytes").read_text() == str(1 << 30)
     assert (cpu / "cpu.cfs_quota_us").read_text() == "100000"
     assert (pids / "pids.max").read_text() == "64"
+
+
+HYBRID_MOUNTINFO = "\n".join(
+    [
+        "35 24 0:30 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755",
+        "36 35 0:31 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10"
+        " - cgroup2 cgroup2 rw,nsdelegate",
+        "38 35 0:33 / /sys/fs/cgroup/memory rw,nosuid,nodev,noexec,relatime shared:14"
+        " - cgroup cgroup rw,memory",
+    ]
+)
+
+
+def test_favordynmods_remount_keeps_the_mounts_options() -> None:
+    point, flags, data = remount_request(HYBRID_MOUNTINFO) or (None, 0, "")
+    assert point == Path("/sys/fs/cgroup/unified")
+    # MS_REMOUNT | nosuid | nodev | noexec | relatime: a remount without them clears them.
+    assert flags == 32 | 2 | 4 | 8 | (1 << 21)
+    assert data == "nsdelegate,favordynmods"
+    assert remount_request(HYBRID_MOUNTINFO.replace("rw,nsdelegate", "rw,favordynmods")) is None
+    with pytest.raises(CgroupError, match="no cgroup2"):
+        remount_request(HYBRID_MOUNTINFO.replace("cgroup2 cgroup2", "cgroup cgroup"))
+
+
+def test_this_hosts_cgroup2_hierarchy_favors_dynamic_moves() -> None:
+    """What the server does at start-up, on this host: afterwards the hierarchy has the
+    option (the kernel reports it in the superblock options)."""
+    favor_dynamic_moves()
+    assert remount_request(Path("/proc/self/mountinfo").read_text()) is None
 
 
 def test_startup_check_names_what_is_missing(
