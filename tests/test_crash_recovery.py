@@ -135,12 +135,13 @@ def test_kill9_during_snapshot(crash_server: ServerProcess, delay: float) -> Non
     assert not any((srv.home / "snapshots").iterdir())
 
 
-def test_kill9_during_fork(crash_server: ServerProcess) -> None:
+@pytest.mark.parametrize("delay", [0.5, 1.0, 1.5])
+def test_kill9_during_fork(crash_server: ServerProcess, delay: float) -> None:
     srv = crash_server
     with srv.client() as c:
         parent = create_sandbox_id(c, timeout=600)
     run_command(srv.url, parent, "echo fork > /home/user/marker")
-    _kill9_during(srv, "POST", f"/sandboxes/{parent}/fork", 1.0, {"count": 6})
+    _kill9_during(srv, "POST", f"/sandboxes/{parent}/fork", delay, {"count": 6})
     states = _assert_consistent(srv)
     assert states[parent] == "running"
     _check_alive(srv, parent, "running", "fork\n")

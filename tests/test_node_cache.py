@@ -99,7 +99,7 @@ def test_bounded_cache_evicts_refetches_and_pins(
             assert read(node, sandbox_id, "/home/user/which") == f"snap-{i}"
             within_bound(node)
             kill(node, sandbox_id)
-        fetched = node.log_path.read_text(errors="replace").count("fetching RAM image")
+        fetched = node.log_path.read_text(errors="replace").count("fetching machine state")
         assert fetched >= 4, "every start after the first needed a fetch"
 
         # A running sandbox pins what it started from: the next snapshot does not fit.

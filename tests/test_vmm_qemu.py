@@ -239,6 +239,63 @@ async def test_attach_without_record_is_gone(tmp_path: Path) -> None:
         await QemuDriver().attach(tmp_path)
 
 
+def _chain(tmp_path: Path, delay: float, argv: list[str]) -> subprocess.Popen[bytes]:
+    """A process shaped like a launch chain: a shell that execs ``argv`` after ``delay``."""
+    script = f'sleep {delay}; exec "$@"'
+    return subprocess.Popen(["/bin/sh", "-c", script, "agentenv-launch", *argv], cwd=tmp_path)
+
+
+async def test_attach_waits_for_a_launch_chain_to_exec(tmp_path: Path) -> None:
+    # A server killed while a VMM was still in its launch chain finds the chain's command
+    # line under the recorded pid; it waits for the exec instead of calling it gone.
+    argv = ["sleep", "30.123"]
+    chain = _chain(tmp_path, 0.5, argv)
+    try:
+        QemuDriver._write_record(tmp_path, chain.pid, argv, _plain_spec(tmp_path), tmp_path / "q")
+        # It gets past the command line check as far as the monitor (sleep has none).
+        with pytest.raises(VMMCommandError, match="cannot reach QMP"):
+            await QemuDriver(connect_timeout=1.5).attach(tmp_path)
+        assert read_cmdline(chain.pid) == argv
+    finally:
+        chain.kill()
+        chain.wait()
+
+
+async def test_attach_kills_a_launch_chain_that_never_execs(tmp_path: Path) -> None:
+    argv = ["sleep", "30.456"]
+    chain = _chain(tmp_path, 60, argv)
+    try:
+        QemuDriver._write_record(tmp_path, chain.pid, argv, _plain_spec(tmp_path), tmp_path / "q")
+        with pytest.raises(VMMGone):
+            await QemuDriver(connect_timeout=0.3).attach(tmp_path)
+        # Ours (it ends with the recorded argv) and never to be watched: killed, not left
+        # to start a VMM nobody manages.
+        assert await asyncio.to_thread(chain.wait, 5) == -signal.SIGKILL
+    finally:
+        chain.kill()
+        chain.wait()
+
+
+async def test_kill_strays_kills_only_what_runs_from_the_directory(tmp_path: Path) -> None:
+    # What a server killed between launch and record leaves: a VMM (here still in its
+    # launch chain) nothing records. Only processes naming this directory and a QEMU go.
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    stray = _chain(mine, 60, ["qemu-system-x86_64", "-pidfile", str(mine / "qemu.pid")])
+    neighbour = _chain(other, 60, ["qemu-system-x86_64", "-pidfile", str(other / "qemu.pid")])
+    bystander = _chain(mine, 60, ["tail", str(mine / "console.log")])
+    try:
+        assert await QemuDriver().kill_strays(mine) == [stray.pid]
+        assert await asyncio.to_thread(stray.wait, 5) == -signal.SIGKILL
+        assert neighbour.poll() is None and bystander.poll() is None
+        assert await QemuDriver().kill_strays(mine) == []
+    finally:
+        for process in (stray, neighbour, bystander):
+            process.kill()
+            process.wait()
+
+
 async def test_restore_rejects_other_driver_and_accel(tmp_path: Path) -> None:
     spec = _plain_spec(tmp_path)
     state = tmp_path / "state.mig"

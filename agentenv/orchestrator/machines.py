@@ -125,6 +125,12 @@ class Machines:
         try:
             vm = await self.driver.attach(vm_dir)
         except VMMError:
+            # Nothing to attach to may still be something running: a VMM whose record a
+            # killed server never wrote, or whose monitor does not answer. The directory
+            # goes, so it goes too, instead of running on unmanaged.
+            killed = await self.driver.kill_strays(vm_dir)
+            if killed:
+                log.warning("killed stray VMM processes %s of %s", killed, vm_dir)
             return
         await vm.kill()
 

@@ -72,6 +72,9 @@ class Recovery:
                 try:
                     vm = await self.driver.attach(directory.vm_dir)
                 except VMMError as exc:
+                    # Whatever runs there unattached is killed before its files are
+                    # kept or removed.
+                    await self.driver.kill_strays(directory.vm_dir)
                     if rec.state == S.PAUSING and saved:
                         # The save finished; the crash came while releasing the VM.
                         await self.network.destroy(rec.slot)

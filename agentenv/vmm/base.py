@@ -304,6 +304,24 @@ class VMMDriver(ABC):
         :meth:`SnapshotFiles.check_compatible` first). The spec's drives and memory file
         may differ in path from the snapshotted machine's, not in shape."""
 
+    #: How the VMM's processes are recognised without a record (see :meth:`kill_strays`):
+    #: the start of the executable's file name.
+    executables: tuple[str, ...] = ()
+
+    async def kill_strays(self, workdir: Path) -> list[int]:
+        """Kill whatever VMM process still runs from ``workdir`` although :meth:`attach`
+        cannot take it (its record not yet written, its launch chain not done, its
+        control socket unreachable), and wait until it has gone: for a directory about to
+        be removed or a sandbox being kept without its VMM. Returns the pids killed."""
+        # Imported here: the process module builds on this one.
+        from agentenv.vmm.process import kill_processes, processes_naming
+
+        if not self.executables:
+            return []
+        pids = processes_naming(workdir.resolve(), self.executables)
+        await kill_processes(pids)
+        return pids
+
     @abstractmethod
     async def attach(self, workdir: Path) -> VirtualMachine:
         """Re-adopt a VMM process a previous server left running in ``workdir``; raises

@@ -312,6 +312,24 @@ class VmmJail:
         except CgroupError as exc:
             raise ConfinementError(str(exc)) from exc
 
+    def ensure_in_cgroup(self, pid: int, spec: MachineSpec) -> None:
+        """Put an adopted VMM into its cgroups if it is not in them: a restoring VMM joins
+        them after it starts (see the QEMU driver), so one whose server died in between
+        runs outside them until a new server does this."""
+        paths = self.confinement.cgroups.paths(self.cgroup_name)
+        if not all(path.is_dir() for path in paths):
+            paths = self.create_cgroup(spec)
+        try:
+            outside = tuple(
+                path
+                for path in paths
+                if str(pid) not in (path / "cgroup.procs").read_text().split()
+            )
+        except OSError as exc:
+            raise ConfinementError(f"cannot read the members of {self.cgroup_name}: {exc}") from exc
+        if outside:
+            self.join_cgroup(pid, outside)
+
     def remove_tree(self) -> None:
         if self.root.exists():
             shutil.rmtree(self.root)

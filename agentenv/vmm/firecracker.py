@@ -425,6 +425,7 @@ class FirecrackerDriver(VMMDriver):
     """Starts Firecracker processes from ``binary`` (see :func:`find_firecracker`)."""
 
     name = "firecracker"
+    executables = ("firecracker", "jailer")
     # Firecracker opens raw files only, and keeps guest RAM anonymous until a snapshot.
     disk_formats = ("raw",)
     shared_memory_boot = False

@@ -30,6 +30,54 @@ def read_cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+async def launched_cmdline(pid: int, argv: list[str], limit_s: float) -> list[str]:
+    """The argv of ``pid`` once the launch chain in front of ``argv`` has run.
+
+    A VMM started through :func:`agentenv.vmm.launch.launch` first runs as the chain's
+    programs (``unshare``, ``sh``, ``nsenter``, ``setpriv``), whose command lines end with
+    the VMM's own ``argv``; each execs the next in the same pid. A server that died in
+    that window and looks again finds the chain, not the VMM: it waits, up to ``limit_s``
+    seconds, for the exec rather than take a VMM about to start for someone else's
+    process (and leave it running, unwatched)."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while True:
+        cmdline = read_cmdline(pid)
+        # Just after an exec the command line can read empty for a moment.
+        starting = not cmdline and not is_zombie(pid)
+        in_chain = starting or (len(cmdline) > len(argv) and cmdline[-len(argv) :] == argv)
+        if not in_chain or asyncio.get_running_loop().time() >= deadline:
+            return cmdline
+        await asyncio.sleep(0.01)
+
+
+def processes_naming(workdir: Path, executables: tuple[str, ...]) -> list[int]:
+    """Processes whose command line names ``workdir`` (or a path in it) and runs one of
+    ``executables`` (matched as the start of an argument's last path component): a VMM
+    started from that directory, or the launch chain in front of one."""
+    inside = f"{workdir}/"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        cmdline = read_cmdline(int(entry.name))
+        if not any(arg == str(workdir) or inside in arg for arg in cmdline):
+            continue
+        if any(Path(arg).name.startswith(executables) for arg in cmdline):
+            found.append(int(entry.name))
+    return found
+
+
+async def kill_processes(pids: list[int], limit_s: float = 5.0) -> None:
+    """SIGKILL ``pids`` and wait, up to ``limit_s`` seconds each, until they have exited."""
+    for pid in pids:
+        try:
+            process = VMMProcess.adopt(pid)
+        except (ProcessLookupError, OSError):
+            continue  # gone already
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.kill(), limit_s)
+
+
 def is_zombie(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,7 +59,7 @@ from agentenv.vmm.base import (
 )
 from agentenv.vmm.confine import Confinement, ConfinementError, VmmJail
 from agentenv.vmm.launch import LaunchSpec, launch
-from agentenv.vmm.process import VMMProcess, read_cmdline
+from agentenv.vmm.process import VMMProcess, launched_cmdline
 
 CONSOLE_LOG = "console.log"
 PROCESS_LOG = "qemu.log"
@@ -583,6 +584,7 @@ class QemuDriver(VMMDriver):
     """Starts ``qemu-system-x86_64 -M microvm`` processes."""
 
     name = "qemu"
+    executables = ("qemu-system",)
     accelerators = ("tcg", "kvm")
     seals_drives = True
     publishes_paused_state = True
@@ -742,7 +744,13 @@ class QemuDriver(VMMDriver):
             socket_path = Path(record.get("qmp_socket") or qmp_socket_path(workdir))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise VMMGone(f"no usable {VM_RECORD} in {workdir}: {exc}") from exc
-        if read_cmdline(pid) != argv:
+        cmdline = await launched_cmdline(pid, argv, self.connect_timeout)
+        if cmdline != argv:
+            if cmdline[-len(argv) :] == argv:
+                # Still in its launch chain after all that time: ours, and never to be
+                # re-adopted; killed so it cannot start unwatched.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             raise VMMGone(f"process {pid} from {workdir} is gone (or is no longer our QEMU)")
         try:
             process = VMMProcess.adopt(pid)
@@ -767,6 +775,14 @@ class QemuDriver(VMMDriver):
             raise
         state = VMRunState.RUNNING if status.get("running") else VMRunState.PAUSED
         jail = self.confinement.jail_for(spec, workdir) if self.confinement else None
+        if jail is not None:
+            try:
+                await asyncio.to_thread(jail.ensure_in_cgroup, pid, spec)
+            except ConfinementError as exc:
+                process.detach()
+                with contextlib.suppress(Exception):
+                    await qmp.disconnect()
+                raise VMMCommandError(f"cannot confine adopted QEMU {pid}: {exc}") from exc
         launch = _Launch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
         return self._handle(spec, workdir, launch, state)
 
