@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from agentenv import server
+from agentenv.config import Config
 from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec, VMMGone, VMRunState
 from agentenv.vmm.cgroups import CgroupLimits, VmmCgroups
 from agentenv.vmm.confine import Confinement, id_block
@@ -259,6 +261,29 @@ def test_install_script_installs_the_jailer(firecracker_bin: Path) -> None:
     assert fc_tests._sha256(jailer) == JAILER_SHA256
     version = subprocess.run([str(jailer), "--version"], capture_output=True, text=True)
     assert "Jailer v1.12.1" in version.stdout
+
+
+def test_confine_vmm_puts_firecracker_under_the_jailer(
+    firecracker_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One setting confines both drivers: the server's Firecracker driver gets the
+    node's confinement and the jailer beside the binary, and refuses to start without
+    one."""
+    config = Config.load(env={}, home=tmp_path / "home")
+    confinement = _confinement(tmp_path, V1)
+    monkeypatch.setattr(server, "vmm_confinement", lambda _config: confinement)
+    driver = server.firecracker_driver(config, firecracker_bin)
+    assert driver.confinement is confinement
+    assert driver.jailer == firecracker_bin.parent / "jailer"
+    assert driver.console_limit == config.console_log_bytes
+    alone = tmp_path / "bin" / "firecracker"
+    alone.parent.mkdir()
+    alone.symlink_to(firecracker_bin)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(server.NodeSetupError, match="no jailer next to"):
+        server.firecracker_driver(config, alone)
+    monkeypatch.setattr(server, "vmm_confinement", lambda _config: None)
+    assert server.firecracker_driver(config, alone).confinement is None
 
 
 @pytest.fixture
