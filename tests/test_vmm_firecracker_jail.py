@@ -11,6 +11,7 @@ but the VMM process is built and runs there (see tests/test_vmm_firecracker.py).
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import uuid
@@ -238,7 +239,7 @@ def test_files_on_another_filesystem_are_bind_mounted(tmp_path: Path) -> None:
         assert all(b.target.is_file() for b in binds)  # mount points
         jail.cleanup(0)
     finally:
-        subprocess.run(["rm", "-rf", str(shm)], check=True)
+        shutil.rmtree(shm)
 
 
 @needs_root
@@ -445,3 +446,37 @@ async def test_jailed_snapshot_restore_and_attach(
     assert not jail2.base.exists()
     with pytest.raises(VMMGone):
         await jailed.attach(workroot / "w2")
+
+
+@pytest.mark.vm
+async def test_jailed_start_binds_other_filesystems_and_links_long_sockets(
+    jailed: FirecrackerDriver,
+    confinement: Confinement,
+    guest_kernel: Path,
+    workroot: Path,
+    vms: list[FirecrackerVM],
+) -> None:
+    """A drive on another filesystem reaches the chroot as a bind mount made in the
+    launch's mount namespace only; a chroot whose socket path is too long for a Unix
+    socket is reached through a short link."""
+    shm = Path("/dev/shm") / f"aenv-jail-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    try:
+        disk = shm / "disk.raw"
+        disk.write_bytes(bytes(1 << 20))
+        spec = replace(_machine(workroot, guest_kernel), drives=(DriveSpec("rootfs", disk),))
+        workdir = workroot / ("long-" * 12) / "w"
+        workdir.parent.mkdir()
+        vm = await jailed.boot(spec, workdir)
+        vms.append(vm)
+        jail = FirecrackerJail(confinement, Path("/unused"), jailed.binary, workdir.resolve())
+        assert jail.api_socket.parent == SHORT_SOCKET_DIR and jail.api_socket.is_symlink()
+        assert (await vm.describe())["state"] == "Running"
+        inside = os.stat(f"/proc/{vm.pid}/root/drives/rootfs")
+        assert (inside.st_dev, inside.st_ino) == (disk.stat().st_dev, disk.stat().st_ino)
+        assert "/drives/rootfs" in {os.readlink(fd) for fd in Path(f"/proc/{vm.pid}/fd").iterdir()}
+        assert str(jail.root) not in Path("/proc/self/mounts").read_text()
+        await vm.kill()
+        assert not jail.api_socket.is_symlink() and not jail.base.exists()
+    finally:
+        shutil.rmtree(shm)
