@@ -174,17 +174,17 @@ class FirecrackerJail:
     ) -> LaunchSpec:
         """``launch_spec`` (output files, cwd, network namespace) turned into the jailed
         start of Firecracker for ``spec``, after laying out its chroot (:meth:`build`).
-        Raises :class:`FirecrackerJailError`."""
+        Raises :class:`FirecrackerJailError`, leaving no chroot behind."""
         try:
             self.confinement.prepare_host()
         except ConfinementError as exc:
             raise FirecrackerJailError(str(exc)) from exc
-        binds = self.build(spec, snapshot)
         args = ["--api-sock", API_SOCKET_IN_JAIL, "--level", "Warning", "--log-path", LOG_IN_JAIL]
+        argv = self.argv(spec, args)
         return replace(
             launch_spec,
-            argv=tuple(self.argv(spec, args)),
-            binds=binds,
+            argv=tuple(argv),
+            binds=self.build(spec, snapshot),
             oom_score_adj=self.confinement.oom_score_adj,
         )
 
