@@ -10,6 +10,7 @@ but the VMM process is built and runs there (see tests/test_vmm_firecracker.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import stat
@@ -26,6 +27,7 @@ from agentenv.config import Config
 from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec, VMMGone, VMRunState
 from agentenv.vmm.cgroups import CgroupLimits, VmmCgroups
 from agentenv.vmm.confine import Confinement, id_block
+from agentenv.vmm.console import CONSOLE_LIMIT_BYTES
 from agentenv.vmm.firecracker import VM_RECORD, FirecrackerDriver, FirecrackerVM
 from agentenv.vmm.firecracker_binary import JAILER_SHA256, find_jailer
 from agentenv.vmm.firecracker_jail import (
@@ -305,6 +307,11 @@ def jailed(firecracker_bin: Path, confinement: Confinement) -> FirecrackerDriver
     return FirecrackerDriver(firecracker_bin, confinement=confinement, jailer=jailer)
 
 
+def _append(path: Path, size: int) -> None:
+    with open(path, "ab") as f:
+        f.write(b"x" * size)
+
+
 def _status(pid: int) -> dict[str, str]:
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
@@ -395,8 +402,14 @@ async def test_jailed_vmm_runs_as_its_uid_in_its_cgroup_chroot_and_seccomp(
         assert memory.strip() == str((128 + 256) << 20)
         assert (root / "pids" / expected[1:] / "pids.max").read_text().strip() == "512"
 
-    # The console is the server's file; the log the work directory's.
-    assert (workdir / "console.log").exists()
+    # The console is the server's file, kept within its bound while the VMM appends.
+    console = workdir / "console.log"
+    await asyncio.to_thread(_append, console, 3 << 20)
+    for _ in range(50):
+        if console.stat().st_size <= CONSOLE_LIMIT_BYTES:
+            break
+        await asyncio.sleep(0.1)
+    assert console.stat().st_size <= CONSOLE_LIMIT_BYTES
     record = (workdir / VM_RECORD).read_text()
     assert '"jailed": true' in record
 
