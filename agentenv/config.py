@@ -161,8 +161,10 @@ class Config(BaseModel):
     # (5%); None: no floor.
     free_space_floor: str | None = None
     # Run every VMM confined: its own uid, cgroup and mount namespace, no capabilities,
-    # QEMU's seccomp filter (see agentenv.vmm.confine). Turn off only for development on
-    # a host that lacks what confinement needs; the server refuses to start otherwise.
+    # QEMU's seccomp filter (see agentenv.vmm.confine); Firecracker VMMs under
+    # Firecracker's jailer, chrooted (agentenv.vmm.firecracker_jail). Turn off only for
+    # development on a host that lacks what confinement needs; the server refuses to
+    # start otherwise.
     confine_vmm: bool = True
     # Base of the ids VMMs run as, far above those of real users: the group that opens
     # root-only devices (/dev/kvm, /dev/net/tun), then a block of 65536 uids per server

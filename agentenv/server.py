@@ -27,7 +27,7 @@ from agentenv.vmm.accel import resolve_accelerator
 from agentenv.vmm.base import VMMDriver
 from agentenv.vmm.cgroups import CgroupError, VmmCgroups, favor_dynamic_moves
 from agentenv.vmm.firecracker import FirecrackerDriver
-from agentenv.vmm.firecracker_binary import find_firecracker
+from agentenv.vmm.firecracker_binary import find_firecracker, find_jailer
 from agentenv.vmm.qemu import QemuDriver
 
 log = logging.getLogger("agentenv.server")
@@ -58,14 +58,31 @@ def choose_runtime(config: Config) -> NodeRuntime:
     if config.vmm == "firecracker" or (config.vmm == "auto" and probe.accel == "kvm"):
         binary = find_firecracker(config.firecracker)
         if binary is not None and probe.accel == "kvm":
-            if config.confine_vmm:
-                log.warning("Firecracker VMMs are not confined yet (uid, jail, cgroup)")
-            return NodeRuntime(FirecrackerDriver(binary), "kvm", probe.reason)
+            return NodeRuntime(firecracker_driver(config, binary), "kvm", probe.reason)
         if config.vmm == "firecracker":
             why = "no Firecracker binary found" if binary is None else probe.reason
             raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
     driver = QemuDriver(confinement=vmm_confinement(config), console_limit=config.console_log_bytes)
     return NodeRuntime(driver, probe.accel, probe.reason)
+
+
+def firecracker_driver(config: Config, binary: Path) -> FirecrackerDriver:
+    """The Firecracker driver; with ``confine_vmm`` its VMMs run under the ``jailer``
+    beside ``binary`` (:mod:`agentenv.vmm.firecracker_jail`). Raises
+    :class:`NodeSetupError` when confinement is on and the jailer is missing."""
+    confinement = vmm_confinement(config)
+    if confinement is None:
+        return FirecrackerDriver(binary, console_limit=config.console_log_bytes)
+    jailer = find_jailer(binary)
+    if jailer is None:
+        raise NodeSetupError(
+            f"cannot confine Firecracker VMMs: no jailer next to {binary} or on PATH "
+            "(scripts/install-firecracker installs it; confine_vmm = false runs VMMs "
+            "unconfined, for development only)"
+        )
+    return FirecrackerDriver(
+        binary, confinement=confinement, jailer=jailer, console_limit=config.console_log_bytes
+    )
 
 
 def vmm_confinement(config: Config) -> confine.Confinement | None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from agentenv.vmm.launch import (
+    Bind,
     Credentials,
     Jail,
     JailNotSupported,
@@ -303,3 +304,28 @@ async def test_jail_shows_only_its_tree_and_the_workdir(tmp_path: Path) -> None:
     # Written through to the host's work directory; no mount leaked to the host.
     assert (data / "vm" / "out").read_text() == "made\n"
     assert str(data) not in Path("/proc/self/mounts").read_text()
+
+
+def test_binds_run_in_a_private_mount_namespace(tmp_path: Path) -> None:
+    binds = (Bind(Path("/a"), Path("/t/a")), Bind(Path("/b"), Path("/t/b"), read_only=True))
+    argv = command_line(_spec(tmp_path, ("/bin/vmm",), binds=binds))
+    assert argv[1:5] == ["--mount", "--propagation", "private", "--"]
+    script, params = argv[7], argv[9:]
+    assert "-o bind " in script and "-o bind,ro " in script
+    assert params == ["/a", "/t/a", "/b", "/t/b", "/bin/vmm"]
+    with pytest.raises(LaunchError, match="absolute"):
+        command_line(_spec(tmp_path, ("/bin/vmm",), binds=(Bind(Path("a"), Path("/t")),)))
+
+
+@needs_root
+async def test_binds_are_seen_by_the_vmm_only(tmp_path: Path) -> None:
+    (tmp_path / "src").write_text("bound\n")
+    (tmp_path / "target").write_text("")
+    binds = (Bind(tmp_path / "src", tmp_path / "target", read_only=True),)
+    script = f"cat {tmp_path}/target; echo x > {tmp_path}/target"
+    process = launch(_spec(tmp_path, ("/bin/sh", "-c", script), binds=binds))
+    assert await process.wait(10)
+    assert (tmp_path / "out.log").read_text() == "bound\n"
+    assert "Read-only" in (tmp_path / "err.log").read_text()
+    assert (tmp_path / "target").read_text() == "" and (tmp_path / "src").read_text() == "bound\n"
+    assert str(tmp_path) not in Path("/proc/self/mounts").read_text()

@@ -147,6 +147,24 @@ class Confinement:
         return VmmJail(self, self.uid_for(spec), workdir)
 
 
+def grant(path: Path, uid: int, gid: int, *, writable: bool, private: bool) -> None:
+    """Set the ownership that lets a VMM running as ``uid`` in group ``gid`` open
+    ``path``: its own if ``writable`` (mode 0600); else, for a ``private`` file (one in
+    the data directory), root's and readable by the group (0640); else group read is
+    added where others cannot read it. Raises :class:`OSError`."""
+    if writable:
+        os.chown(path, uid, gid)
+        os.chmod(path, 0o600)
+    elif private:
+        os.chown(path, 0, gid)
+        os.chmod(path, 0o640)
+    else:
+        st = path.stat()
+        if st.st_mode & 0o004 == 0:
+            os.chown(path, -1, gid)
+            os.chmod(path, stat.S_IMODE(st.st_mode) | 0o040)
+
+
 def hidden_top(data_dir: Path) -> Path:
     """The directory a jail is mounted over: the data directory, or its highest ancestor
     that other users cannot traverse (a data directory inside a private directory),
@@ -229,20 +247,15 @@ class VmmJail:
         """Let the VMM open ``path``: its own if ``writable`` (mode 0600), else the VMM
         group's to read (root-owned, 0640); and, under the data directory, a hard link at
         the same place in the jail tree."""
-        gid = self.confinement.gid
         try:
             relative = self._inside(path)
-            if writable:
-                os.chown(path, self.uid, gid)
-                os.chmod(path, 0o600)
-            elif relative is not None:
-                os.chown(path, 0, gid)
-                os.chmod(path, 0o640)
-            else:
-                st = path.stat()
-                if st.st_mode & 0o004 == 0:
-                    os.chown(path, -1, gid)
-                    os.chmod(path, stat.S_IMODE(st.st_mode) | 0o040)
+            grant(
+                path,
+                self.uid,
+                self.confinement.gid,
+                writable=writable,
+                private=relative is not None,
+            )
             if relative is None:
                 return
             directory = self._make_dirs(relative.parent)

@@ -16,6 +16,13 @@ Things about Firecracker (v1.12) that shape this driver:
   restore in another workdir recreates the links to the restoring spec's files, and the
   snapshot loads them. The tap is replaced on load with ``network_overrides`` (present in
   1.12). The guest MAC is guest state and stays the snapshotted one.
+- With a :class:`~agentenv.vmm.confine.Confinement` (and the release's ``jailer``) every
+  Firecracker runs under the jailer: its own uid, cgroup and chroot, Firecracker's seccomp
+  filters (see :mod:`agentenv.vmm.firecracker_jail`). Inside the chroot its paths are
+  fixed (``/boot/vmlinux``, ``/drives/<id>``, ...) and its cwd is the chroot's root, so the
+  relative drive paths a snapshot records load the same in both modes.
+- The guest console (Firecracker's stdout) is appended to ``console.log``, which a task of
+  the VM's handle keeps within a byte bound (:mod:`agentenv.vmm.console`).
 - On x86_64 Firecracker describes its virtio-mmio devices both on the kernel command line
   (``virtio_mmio.device=``) and in ACPI (DSDT ``LNRO0005`` devices), so a kernel built
   without ``VIRTIO_MMIO_CMDLINE_DEVICES`` (Debian's cloud kernel) still finds them, as long
@@ -24,17 +31,20 @@ Things about Firecracker (v1.12) that shape this driver:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import re
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 
+from agentenv.vmm import firecracker_jail as jail_paths
 from agentenv.vmm.base import (
     MachineSpec,
     SnapshotFiles,
@@ -47,7 +57,11 @@ from agentenv.vmm.base import (
     VMRunState,
     VMStats,
 )
+from agentenv.vmm.confine import Confinement, ConfinementError
+from agentenv.vmm.console import CONSOLE_LIMIT_BYTES, bound_console
+from agentenv.vmm.firecracker_api import API_TIMEOUT_S, FirecrackerAPI
 from agentenv.vmm.firecracker_binary import find_firecracker
+from agentenv.vmm.firecracker_jail import FirecrackerJail, FirecrackerJailError
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, read_cmdline
 
@@ -71,7 +85,6 @@ FIRECRACKER_BOOT_ARGS: Final = (("pci", "off"), ("reboot", "k"), ("panic", "1"))
 
 BALLOON_STATS_INTERVAL_S = 5
 START_TIMEOUT_S = 10.0
-API_TIMEOUT_S = 10.0
 # Writing or mapping the RAM image scales with guest memory and disk speed.
 SNAPSHOT_TIMEOUT_S = 600.0
 
@@ -171,6 +184,9 @@ def _prepare_workdir(spec: MachineSpec, workdir: Path) -> Path:
     (workdir / API_SOCKET).unlink(missing_ok=True)
     (workdir / VM_RECORD).unlink(missing_ok=True)
     (workdir / LOG_FILE).write_bytes(b"")
+    # Console and stderr are opened for appending (see agentenv.vmm.console): start empty.
+    (workdir / CONSOLE_FILE).unlink(missing_ok=True)
+    (workdir / STDERR_FILE).unlink(missing_ok=True)
     drives_dir = workdir / DRIVES_DIR
     drives_dir.mkdir(exist_ok=True)
     for drive in spec.drives:
@@ -220,45 +236,6 @@ def _read_record(workdir: Path) -> tuple[Path, dict[str, Any]]:
     return workdir, record
 
 
-# --- API client ---------------------------------------------------------------------------
-
-
-class FirecrackerAPI:
-    """A minimal client for Firecracker's API socket: JSON in, JSON (or nothing) out, and
-    ``{"fault_message": ...}`` replies raised as :class:`VMMCommandError`."""
-
-    def __init__(self, socket_path: Path) -> None:
-        self.socket_path = socket_path
-        self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(socket_path)),
-            base_url="http://localhost",
-            timeout=API_TIMEOUT_S,
-        )
-
-    async def request(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None = None,
-        *,
-        read_timeout: float = API_TIMEOUT_S,
-    ) -> dict[str, Any]:
-        response = await self._client.request(method, path, json=body, timeout=read_timeout)
-        if response.status_code >= 300:
-            try:
-                fault = response.json().get("fault_message") or response.text
-            except ValueError:
-                fault = response.text
-            raise VMMCommandError(f"{method} {path} failed ({response.status_code}): {fault}")
-        if not response.content:
-            return {}
-        data: dict[str, Any] = response.json()
-        return data
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-
 # --- Machine handle -----------------------------------------------------------------------
 
 
@@ -274,6 +251,8 @@ class FirecrackerVM(VirtualMachine):
         shape: dict[str, Any],
         tap: str | None,
         state: VMRunState,
+        jail: FirecrackerJail | None = None,
+        console_limit: int | None = None,
     ) -> None:
         self.workdir = workdir
         self._process = process
@@ -281,8 +260,14 @@ class FirecrackerVM(VirtualMachine):
         self._shape = shape
         self._tap = tap
         self._state = state
+        self._jail = jail
         # After close() the process is no longer watched; this handle must not touch it.
         self._closed = False
+        self._console_task: asyncio.Task[None] | None = None
+        if console_limit is not None:
+            self._console_task = asyncio.get_running_loop().create_task(
+                bound_console(workdir / CONSOLE_FILE, console_limit)
+            )
 
     @property
     def pid(self) -> int:
@@ -340,7 +325,13 @@ class FirecrackerVM(VirtualMachine):
         tmp_state = dest / f".{STATE_FILE}.{token}.tmp"
         tmp_memory = dest / f".{MEMORY_FILE}.{token}.tmp"
         state_file, memory_file = dest / STATE_FILE, dest / MEMORY_FILE
-        leftovers = [tmp_state, tmp_memory]
+        # Where Firecracker writes them: in its chroot when jailed, moved out afterwards.
+        written = {tmp_state: str(tmp_state), tmp_memory: str(tmp_memory)}
+        if self._jail is not None:
+            out = jail_paths.SNAPSHOT_OUT_IN_JAIL
+            written = {tmp: f"{out}/{tmp.name}" for tmp in written}
+        produced = [self._jail.host(inside) for inside in written.values()] if self._jail else []
+        leftovers = [tmp_state, tmp_memory, *produced]
         try:
             version = (await self.call("GET", "/version")).get("firecracker_version", "")
             await self.call(
@@ -348,20 +339,25 @@ class FirecrackerVM(VirtualMachine):
                 "/snapshot/create",
                 {
                     "snapshot_type": "Full",
-                    "snapshot_path": str(tmp_state),
-                    "mem_file_path": str(tmp_memory),
+                    "snapshot_path": written[tmp_state],
+                    "mem_file_path": written[tmp_memory],
                 },
                 read_timeout=SNAPSHOT_TIMEOUT_S,
             )
+            if self._jail is not None:
+                for tmp, made in zip(written, produced, strict=True):
+                    await asyncio.to_thread(self._jail.export, made, tmp)
             os.replace(tmp_memory, memory_file)
             # From here an older state file next to the new RAM image would be a mismatch.
             leftovers += [memory_file, state_file]
             os.replace(tmp_state, state_file)
-        except BaseException:
+        except BaseException as exc:
             _remove(leftovers)
             if was_running and self._process.alive():
                 with contextlib.suppress(VMMError):
                     await self.resume()
+            if isinstance(exc, FirecrackerJailError):
+                raise VMMCommandError(f"snapshot/create: {exc}") from exc
             raise
         return SnapshotFiles(
             driver=FirecrackerDriver.name,
@@ -387,8 +383,17 @@ class FirecrackerVM(VirtualMachine):
             return
         await self._process.kill()
         self._state = VMRunState.STOPPED
+        self._stop_console()
         await self._api.aclose()
         _remove([self.workdir / API_SOCKET, self.workdir / VM_RECORD])
+        if self._jail is not None:
+            # The chroot, its socket link and the cgroup go with the process.
+            await asyncio.to_thread(self._jail.cleanup)
+
+    def _stop_console(self) -> None:
+        if self._console_task is not None:
+            self._console_task.cancel()
+            self._console_task = None
 
     async def stats(self) -> VMStats:
         state = self.state
@@ -402,6 +407,7 @@ class FirecrackerVM(VirtualMachine):
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._stop_console()
             self._process.detach()
             await self._api.aclose()
 
@@ -412,6 +418,9 @@ class FirecrackerVM(VirtualMachine):
             "api_socket": str(self._api.socket_path),
             "shape": self._shape,
             "tap": self._tap,
+            # What the process's command line holds (checked on attach: pids are reused).
+            "cmdline": self._jail.markers() if self._jail else [str(self._api.socket_path)],
+            "jailed": self._jail is not None,
         }
         tmp = self.workdir / f".{VM_RECORD}.tmp"
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
@@ -422,7 +431,9 @@ class FirecrackerVM(VirtualMachine):
 
 
 class FirecrackerDriver(VMMDriver):
-    """Starts Firecracker processes from ``binary`` (see :func:`find_firecracker`)."""
+    """Starts Firecracker processes from ``binary`` (see :func:`find_firecracker`); with
+    ``confinement``, under ``jailer`` (see :mod:`agentenv.vmm.firecracker_jail`). The
+    console log is kept within ``console_limit`` bytes (None: unbounded)."""
 
     name = "firecracker"
     executables = ("firecracker", "jailer")
@@ -437,10 +448,28 @@ class FirecrackerDriver(VMMDriver):
     # Its pause files are not published to the snapshot repository yet.
     publishes_paused_state = False
 
-    def __init__(self, binary: Path) -> None:
-        if not (binary.is_file() and os.access(binary, os.X_OK)):
-            raise VMMError(f"Firecracker binary {binary} is not an executable file")
+    def __init__(
+        self,
+        binary: Path,
+        *,
+        confinement: Confinement | None = None,
+        jailer: Path | None = None,
+        console_limit: int | None = CONSOLE_LIMIT_BYTES,
+    ) -> None:
+        if confinement is not None and jailer is None:
+            raise VMMError("confined Firecracker VMMs need the jailer binary")
+        for path in (binary, jailer) if jailer is not None else (binary,):
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                raise VMMError(f"Firecracker binary {path} is not an executable file")
         self.binary = binary
+        self.confinement = confinement
+        self.jailer = jailer
+        self.console_limit = console_limit
+
+    def _jail(self, workdir: Path) -> FirecrackerJail | None:
+        if self.confinement is None or self.jailer is None:
+            return None
+        return FirecrackerJail(self.confinement, self.jailer, self.binary, workdir.resolve())
 
     async def boot(self, spec: MachineSpec, workdir: Path) -> FirecrackerVM:
         _validate_spec(spec)
@@ -451,12 +480,16 @@ class FirecrackerDriver(VMMDriver):
                 "/machine-config",
                 {"vcpu_count": spec.vcpus, "mem_size_mib": spec.memory_mib},
             )
+            jailed = vm._jail is not None
             boot_source: dict[str, Any] = {
-                "kernel_image_path": str(spec.kernel.resolve()),
+                "kernel_image_path": (
+                    jail_paths.KERNEL_IN_JAIL if jailed else str(spec.kernel.resolve())
+                ),
                 "boot_args": _boot_args(spec.cmdline),
             }
             if spec.initrd is not None:
-                boot_source["initrd_path"] = str(spec.initrd.resolve())
+                initrd = jail_paths.INITRD_IN_JAIL if jailed else str(spec.initrd.resolve())
+                boot_source["initrd_path"] = initrd
             await vm.call("PUT", "/boot-source", boot_source)
             for drive in spec.drives:
                 await vm.call(
@@ -511,10 +544,14 @@ class FirecrackerDriver(VMMDriver):
         snapshot.check_compatible(self.name, spec)
         _validate_spec(spec)
         state_file, memory_file = _validate_snapshot(snapshot)
-        vm = await self._start(spec, workdir)
+        vm = await self._start(spec, workdir, (state_file, memory_file))
+        if vm._jail is not None:
+            state_arg, memory_arg = jail_paths.STATE_IN_JAIL, jail_paths.MEMORY_IN_JAIL
+        else:
+            state_arg, memory_arg = str(state_file), str(memory_file)
         body: dict[str, Any] = {
-            "snapshot_path": str(state_file),
-            "mem_backend": {"backend_type": "File", "backend_path": str(memory_file)},
+            "snapshot_path": state_arg,
+            "mem_backend": {"backend_type": "File", "backend_path": memory_arg},
             "enable_diff_snapshots": False,
             "resume_vm": resume,
         }
@@ -533,8 +570,10 @@ class FirecrackerDriver(VMMDriver):
         workdir, record = _read_record(workdir)
         pid, socket_path = int(record["pid"]), Path(record["api_socket"])
         # The pid may have been reused by an unrelated process since the record was made.
-        if str(socket_path) not in read_cmdline(pid):
+        cmdline = read_cmdline(pid)
+        if not all(m in cmdline for m in record.get("cmdline", [str(socket_path)])):
             raise VMMGone(f"firecracker pid {pid} recorded in {workdir} is gone")
+        jail = self._jail(workdir) if record.get("jailed") else None
         try:
             process = VMMProcess.adopt(pid)
         except ProcessLookupError as exc:
@@ -546,6 +585,8 @@ class FirecrackerDriver(VMMDriver):
             shape=dict(record["shape"]),
             tap=record.get("tap"),
             state=VMRunState.STARTING,
+            jail=jail,
+            console_limit=self.console_limit,
         )
         try:
             info = await vm.describe()
@@ -555,32 +596,41 @@ class FirecrackerDriver(VMMDriver):
         vm._state = _FIRECRACKER_STATES.get(info.get("state", ""), VMRunState.STARTING)
         return vm
 
-    async def _start(self, spec: MachineSpec, workdir: Path) -> FirecrackerVM:
-        """Start Firecracker with ``workdir`` as its cwd (so the relative drive links
-        resolve) and return once its API answers."""
+    async def _start(
+        self, spec: MachineSpec, workdir: Path, snapshot: tuple[Path, Path] | None = None
+    ) -> FirecrackerVM:
+        """Start Firecracker, unconfined with ``workdir`` as its cwd (so the relative drive
+        links resolve) or jailed in a chroot laid out for ``spec`` (and the ``snapshot``'s
+        state and RAM files), and return once its API answers."""
         workdir = _prepare_workdir(spec, workdir)
-        socket_path = workdir / API_SOCKET
-        argv = [
-            str(self.binary),
-            "--api-sock",
-            str(socket_path),
-            "--id",
-            _instance_id(workdir),
-            "--level",
-            "Warning",
-            "--log-path",
-            str(workdir / LOG_FILE),
-        ]
-        process = launch(
-            LaunchSpec(
-                argv=tuple(argv),
-                cwd=workdir,
-                # Firecracker writes the guest console to its stdout.
-                stdout=workdir / CONSOLE_FILE,
-                stderr=workdir / STDERR_FILE,
-                netns=spec.net.netns if spec.net is not None else None,
-            )
+        jail = self._jail(workdir)
+        launch_spec = LaunchSpec(
+            argv=(),
+            cwd=workdir,
+            # Firecracker writes the guest console to its stdout.
+            stdout=workdir / CONSOLE_FILE,
+            stderr=workdir / STDERR_FILE,
+            append_output=True,
+            netns=spec.net.netns if spec.net is not None else None,
         )
+        if jail is None:
+            socket_path = workdir / API_SOCKET
+            argv = [str(self.binary), "--api-sock", str(socket_path)]
+            argv += ["--id", _instance_id(workdir), "--level", "Warning"]
+            argv += ["--log-path", str(workdir / LOG_FILE)]
+            launch_spec = replace(launch_spec, argv=tuple(argv))
+        else:
+            try:
+                launch_spec = await asyncio.to_thread(jail.confine, launch_spec, spec, snapshot)
+            except ConfinementError as exc:
+                raise VMMStartError(f"cannot confine Firecracker: {exc}") from exc
+            socket_path = jail.api_socket
+        try:
+            process = launch(launch_spec)
+        except BaseException:
+            if jail is not None:
+                jail.cleanup(0)
+            raise
         vm = FirecrackerVM(
             workdir=workdir,
             process=process,
@@ -588,6 +638,8 @@ class FirecrackerDriver(VMMDriver):
             shape=spec.shape(),
             tap=spec.net.tap if spec.net is not None else None,
             state=VMRunState.STARTING,
+            jail=jail,
+            console_limit=self.console_limit,
         )
         try:
             await self._wait_for_api(vm)

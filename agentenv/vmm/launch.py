@@ -12,14 +12,15 @@ one, so the pid :func:`launch` returns is the VMM's once the chain has run, and 
 runs in the forked server between ``fork`` and ``exec`` (no ``preexec_fn``, which is not
 safe in a process with threads). The chain, in the order the privileges are needed:
 
-1. With a jail, ``unshare --mount`` gives the process a private mount namespace (mounts
-   made in it never reach the host, and later host mounts do not reach it).
+1. With a jail or bind mounts, ``unshare --mount`` gives the process a private mount
+   namespace (mounts made in it never reach the host, and later host mounts do not
+   reach it).
 2. ``/bin/sh`` writes its own pid to each ``<cgroup>/cgroup.procs``: the process joins
    its cgroups before the VMM starts, so everything the VMM allocates is charged there (a
-   cgroup move does not carry memory charged earlier). It sets ``oom_score_adj`` and,
-   with a jail, makes the mounts: the VMM's own directory over its place in the jail
-   tree, then the jail tree over the directory it hides. If any step fails the shell
-   exits and the VMM never runs unconfined.
+   cgroup move does not carry memory charged earlier). It sets ``oom_score_adj`` and
+   makes the mounts: the bind mounts asked for, and with a jail the VMM's own directory
+   over its place in the jail tree, then the jail tree over the directory it hides. If
+   any step fails the shell exits and the VMM never runs unconfined.
 3. ``nsenter --net=/run/netns/NAME`` switches the network namespace only. ``ip netns exec``
    would also give the VMM a private mount namespace with its own ``/sys``, so paths the
    host mounts later (snapshot destinations) could differ from what the VMM sees.
@@ -91,6 +92,17 @@ class Jail:
 
 
 @dataclass(frozen=True)
+class Bind:
+    """A file or directory mounted at another path in the VMM's private mount namespace
+    (``target`` must exist), read-only if ``read_only``. Used where a hard link cannot
+    be made (another filesystem)."""
+
+    source: Path
+    target: Path
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """How to run one VMM process.
 
@@ -106,7 +118,8 @@ class LaunchSpec:
     ``cgroup.procs`` is written), ``jail`` where to confine the VMM. ``None`` leaves each
     as the server's: host namespace, root, the server's cgroup, no confinement.
     ``more_cgroups`` are further cgroup directories to join (one per controller
-    hierarchy on a cgroup v1 host), ``oom_score_adj`` the VMM's OOM-killer bias.
+    hierarchy on a cgroup v1 host), ``oom_score_adj`` the VMM's OOM-killer bias,
+    ``binds`` mounts made in a private mount namespace before the VMM starts.
     """
 
     argv: tuple[str, ...]
@@ -121,6 +134,7 @@ class LaunchSpec:
     jail: Jail | None = None
     more_cgroups: tuple[Path, ...] = ()
     oom_score_adj: int | None = None
+    binds: tuple[Bind, ...] = ()
 
 
 def _tool(name: str) -> str:
@@ -160,6 +174,13 @@ def _shell_step(spec: LaunchSpec) -> list[str]:
         if not -1000 <= spec.oom_score_adj <= 1000:
             raise LaunchError(f"oom_score_adj {spec.oom_score_adj} is not in -1000..1000")
         script.append(f"echo {int(spec.oom_score_adj)} > /proc/self/oom_score_adj || exit 1")
+    for bind in spec.binds:
+        if not (bind.source.is_absolute() and bind.target.is_absolute()):
+            raise LaunchError(f"bind mount {bind.source} -> {bind.target} needs absolute paths")
+        # util-linux makes a read-only bind in two steps (bind, then remount read-only).
+        options = "bind,ro" if bind.read_only else "bind"
+        script.append(f'{_tool("mount")} -o {options} "$1" "$2" || exit 1; shift 2')
+        params += [str(bind.source), str(bind.target)]
     if spec.jail is not None:
         workdir_in_jail, hides = _jail_mount_points(spec.jail)
         mount = _tool("mount")
@@ -179,7 +200,7 @@ def command_line(spec: LaunchSpec) -> list[str]:
     if not spec.argv:
         raise LaunchError("a VMM needs a command line")
     chain: list[str] = []
-    if spec.jail is not None:
+    if spec.jail is not None or spec.binds:
         chain += [_tool("unshare"), "--mount", "--propagation", "private", "--"]
     chain += _shell_step(spec)
     if spec.netns is not None:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import hashlib
 import json
 import os
@@ -58,6 +56,7 @@ from agentenv.vmm.base import (
     VMStats,
 )
 from agentenv.vmm.confine import Confinement, ConfinementError, VmmJail
+from agentenv.vmm.console import CONSOLE_LIMIT_BYTES, bound_console
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, launched_cmdline
 
@@ -80,15 +79,8 @@ _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 
 _LOG_TAIL_BYTES = 3000
 
-#: Default bound of a VM's console.log, in bytes.
-CONSOLE_LIMIT_BYTES = 1024 * 1024
-#: How often a VM's console.log is checked against its bound: a guest writing its serial
-#: port flat out (about 1 MB/s under TCG) gets this much past it at most.
-CONSOLE_CHECK_INTERVAL_S = 0.5
 #: QEMU's seccomp filter for confined VMMs.
 SANDBOX_OPTION = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-_FALLOC_FL_COLLAPSE_RANGE = 0x08
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def _opt_path(path: Path) -> str:
@@ -146,48 +138,6 @@ def _remove_socket(socket_path: Path) -> None:
         shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 
-def bound_file(path: Path, limit: int) -> None:
-    """Keep ``path`` (a log another process appends to) within about ``limit`` bytes by
-    cutting its oldest part once it is larger: whole filesystem blocks are collapsed out
-    of its head, leaving the most recent ``limit // 2`` bytes or a little more. Where the
-    filesystem cannot collapse ranges, the tail is copied to the head and the file
-    truncated (a write landing in between may be lost)."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return
-    if size <= limit:
-        return
-    block = os.statvfs(path).f_bsize
-    drop = (size - limit // 2) // block * block
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        if (
-            drop > 0
-            and _libc.fallocate(
-                fd, _FALLOC_FL_COLLAPSE_RANGE, ctypes.c_long(0), ctypes.c_long(drop)
-            )
-            == 0
-        ):
-            return
-        keep = limit // 2
-        os.lseek(fd, max(0, size - keep), os.SEEK_SET)
-        tail = os.read(fd, keep)
-        os.pwrite(fd, tail, 0)
-        os.ftruncate(fd, len(tail))
-    finally:
-        os.close(fd)
-
-
-async def _bound_console(path: Path, limit: int) -> None:
-    while True:
-        await asyncio.sleep(CONSOLE_CHECK_INTERVAL_S)
-        try:
-            bound_file(path, limit)
-        except OSError:
-            pass
-
-
 def _check_spec(spec: MachineSpec) -> None:
     """Reject specs QEMU would fail on late and obscurely, or that could inject options."""
     if spec.vcpus < 1:
@@ -221,7 +171,7 @@ def _check_spec(spec: MachineSpec) -> None:
 def _prepare_workdir(spec: MachineSpec, workdir: Path) -> None:
     _check_spec(spec)
     workdir.mkdir(parents=True, exist_ok=True)
-    # The console is opened for appending (see bound_file): start each run empty, as
+    # The console is opened for appending (see console.bound_file): start each run empty, as
     # before, when QEMU truncated it.
     for path in (
         qmp_socket_path(workdir),
@@ -273,7 +223,7 @@ class QemuVM(VirtualMachine):
         self._console_task: asyncio.Task[None] | None = None
         if console_limit is not None:
             self._console_task = asyncio.get_running_loop().create_task(
-                _bound_console(workdir / CONSOLE_LOG, console_limit)
+                bound_console(workdir / CONSOLE_LOG, console_limit)
             )
 
     def __repr__(self) -> str:

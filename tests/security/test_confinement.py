@@ -35,7 +35,7 @@ from agentenv.vmm.cgroups import (
     favor_dynamic_moves,
     remount_request,
 )
-from agentenv.vmm.qemu import bound_file
+from agentenv.vmm.console import bound_file
 from tests.helpers import ServerProcess, create_sandbox_id, live_server, run_command, vmm_pids
 
 CONSOLE_LIMIT = 256 * 1024
