@@ -462,6 +462,21 @@ async def test_jailed_snapshot_restore_and_attach(
 
 
 @pytest.mark.vm
+async def test_jailed_stray_is_found_by_its_jail_id(
+    jailed: FirecrackerDriver, guest_kernel: Path, workroot: Path, vms: list[FirecrackerVM]
+) -> None:
+    # What a server that died before recording its VMM leaves: a jailed Firecracker whose
+    # command line names only paths in its chroot. Removing its directory kills it.
+    spec = _machine(workroot, guest_kernel)
+    vm = await jailed.boot(spec, workroot / "stray")
+    vms.append(vm)
+    await vm.close()
+    assert await jailed.kill_strays(workroot / "stray") == [vm.pid]
+    assert not Path(f"/proc/{vm.pid}").exists()
+    assert await jailed.kill_strays(workroot / "stray") == []
+
+
+@pytest.mark.vm
 async def test_jailed_start_binds_other_filesystems_and_links_long_sockets(
     jailed: FirecrackerDriver,
     confinement: Confinement,

@@ -318,9 +318,14 @@ class VMMDriver(ABC):
 
         if not self.executables:
             return []
-        pids = processes_naming(workdir.resolve(), self.executables)
+        pids = processes_naming(self.stray_markers(workdir.resolve()), self.executables)
         await kill_processes(pids)
         return pids
+
+    def stray_markers(self, workdir: Path) -> tuple[str, ...]:
+        """Arguments by which a VMM process started for ``workdir`` is recognised: the
+        directory itself, or paths in it, unless the driver says otherwise."""
+        return (str(workdir),)
 
     @abstractmethod
     async def attach(self, workdir: Path) -> VirtualMachine:

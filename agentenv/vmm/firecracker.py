@@ -471,6 +471,12 @@ class FirecrackerDriver(VMMDriver):
             return None
         return FirecrackerJail(self.confinement, self.jailer, self.binary, workdir.resolve())
 
+    def stray_markers(self, workdir: Path) -> tuple[str, ...]:
+        # A jailed Firecracker's command line names paths in its chroot: its jail id
+        # (the jailer's --id, passed on to Firecracker) identifies it.
+        jail = self._jail(workdir)
+        return (str(workdir), *((jail.jail_id,) if jail is not None else ()))
+
     async def boot(self, spec: MachineSpec, workdir: Path) -> FirecrackerVM:
         _validate_spec(spec)
         vm = await self._start(spec, workdir)

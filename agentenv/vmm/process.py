@@ -50,17 +50,16 @@ async def launched_cmdline(pid: int, argv: list[str], limit_s: float) -> list[st
         await asyncio.sleep(0.01)
 
 
-def processes_naming(workdir: Path, executables: tuple[str, ...]) -> list[int]:
-    """Processes whose command line names ``workdir`` (or a path in it) and runs one of
-    ``executables`` (matched as the start of an argument's last path component): a VMM
-    started from that directory, or the launch chain in front of one."""
-    inside = f"{workdir}/"
+def processes_naming(markers: tuple[str, ...], executables: tuple[str, ...]) -> list[int]:
+    """Processes that run one of ``executables`` (matched as the start of an argument's
+    last path component) with an argument that is one of ``markers`` or a path under one:
+    a VMM started for them, or the launch chain in front of one."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         cmdline = read_cmdline(int(entry.name))
-        if not any(arg == str(workdir) or inside in arg for arg in cmdline):
+        if not any(arg == m or f"{m}/" in arg for arg in cmdline for m in markers):
             continue
         if any(Path(arg).name.startswith(executables) for arg in cmdline):
             found.append(int(entry.name))
@@ -76,6 +75,10 @@ async def kill_processes(pids: list[int], limit_s: float = 5.0) -> None:
             continue  # gone already
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(process.kill(), limit_s)
+        # Exited (the pidfd said so): reaping it, if it is this server's child, does not
+        # block.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222
 
 
 def is_zombie(pid: int) -> bool:
