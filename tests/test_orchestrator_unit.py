@@ -226,6 +226,21 @@ async def test_create_pause_resume_kill(tmp_path: Path, sandbox_memory: str) -> 
         await node.stop()
 
 
+async def test_kill_stops_a_resumes_envd_init(node: Node) -> None:
+    # A resumed guest whose envd never answers: its /init retries in the background
+    # until the sandbox is killed, then stops at once instead of running out its time.
+    orch = node.orchestrator
+    view = await orch.create(FAKE_TEMPLATE)
+    await orch.pause(view.sandbox_id)
+    node.envd.unreachable.add(view.guest_address)
+    await orch.resume(view.sandbox_id)
+    settling = orch._lifecycle.settling(view.sandbox_id)
+    assert settling is not None and not settling.done()
+    await orch.kill(view.sandbox_id)
+    await asyncio.wait_for(asyncio.gather(settling, return_exceptions=True), 1.0)
+    assert settling.cancelled()
+
+
 async def test_filesystem_only_pause_boots_on_resume(node: Node) -> None:
     orch = node.orchestrator
     view = await orch.create(FAKE_TEMPLATE)

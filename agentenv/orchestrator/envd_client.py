@@ -71,11 +71,15 @@ async def init(
     *,
     env_vars: Mapping[str, str],
     access_token: str | None,
-    timeout: float = 10.0,
+    timeout: float = 30.0,
 ) -> None:
     """Hand a freshly restored guest its identity: environment, token, a clock set from
     the host (the snapshot's clock is stale) and fresh entropy (every restore of one
-    snapshot starts with the same RNG state)."""
+    snapshot starts with the same RNG state).
+
+    ``timeout`` is generous: a guest answers in a few hundred milliseconds alone, but
+    sixteen fork children restoring at once on a busy 2-core TCG host took over 10 s, and
+    a create that fails then loses the sandbox for nothing."""
     body: dict[str, object] = {
         "envVars": dict(env_vars),
         "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
@@ -102,7 +106,10 @@ async def init(
                 continue
             # Right after a restore the first packets can race the guest's ARP refresh.
             if time.monotonic() > deadline:
-                raise EnvdUnreachable(f"envd /init failed: {exc}") from exc
+                # httpx timeouts have empty messages: the type says what happened.
+                raise EnvdUnreachable(
+                    f"envd /init failed after {timeout:.0f} s: {type(exc).__name__}: {exc}"
+                ) from exc
             await asyncio.sleep(0.02)
             continue
         if response.is_success:

@@ -436,6 +436,10 @@ class Lifecycle:
         await self.sync.forget(rec)
         self.leases.forget(rec)
         self.store.transition(sandbox_id, rec.state, S.KILLING)
+        settling = self._settling.pop(sandbox_id, None)
+        if settling is not None:
+            # A resume's envd re-initialisation: its guest is going, nothing to retry.
+            settling.cancel()
         vm = self.machines.pop(sandbox_id)
         if vm is not None:
             await vm.kill()
