@@ -201,15 +201,18 @@ async def test_capture_racing_the_reaper_answers_404_or_succeeds(
                 raise child
         return children
 
-    first, second = (orch.reap_expired(expired), capture())
-    if not reaper_first:
-        first, second = second, first
-    results = await asyncio.gather(
-        asyncio.ensure_future(first), asyncio.ensure_future(second), return_exceptions=True
-    )
-    for result in results:
-        if isinstance(result, BaseException):
-            assert isinstance(result, SandboxNotFound), repr(result)
-    assert reaper_first == isinstance(results[1 if reaper_first else 0], SandboxNotFound)
+    # The operation asked for first takes the sandbox's lock first.
+    if reaper_first:
+        reaping = asyncio.ensure_future(orch.reap_expired(expired))
+        capturing = asyncio.ensure_future(capture())
+    else:
+        capturing = asyncio.ensure_future(capture())
+        reaping = asyncio.ensure_future(orch.reap_expired(expired))
+    reaped, captured = await asyncio.gather(reaping, capturing, return_exceptions=True)
+    assert reaped == [view.sandbox_id]
+    if reaper_first:
+        assert isinstance(captured, SandboxNotFound), repr(captured)
+    else:
+        assert not isinstance(captured, BaseException), repr(captured)
     with pytest.raises(SandboxNotFound):
         orch.get(view.sandbox_id)
