@@ -127,8 +127,12 @@ class VmmLiveness:
         rec = self.store.get_sandbox(sandbox_id)
         self.machines.pop(sandbox_id)
         # Nothing runs any more; this releases what the handle still holds (its control
-        # connection, socket, jail and cgroup).
-        await vm.kill()
+        # connection, socket, jail and cgroup). The sandbox is settled even if that
+        # fails: left running without a VM, every request on it would fail.
+        try:
+            await vm.kill()
+        except Exception as exc:
+            log.warning("sandbox %s: releasing its exited VMM failed: %s", sandbox_id, exc)
         if rec is None or rec.state not in VM_STATES:
             return False
         why = f"{how.describe()}, not by this server"
