@@ -7,8 +7,11 @@ tests/test_vmm_liveness.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import shutil
+import signal
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +23,9 @@ from agentenv.orchestrator.layout import SandboxDir
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, utcnow
 from agentenv.orchestrator.views import SandboxView
-from agentenv.vmm.base import VMMGone
+from agentenv.vmm.base import VMMExit, VMMGone
+from agentenv.vmm.launch import LaunchSpec, launch
+from agentenv.vmm.process import VMMProcess
 from tests.fakes import FAKE_TEMPLATE, FakeVM, Node, start_node
 
 pytestmark = pytest.mark.skipif(
@@ -51,6 +56,35 @@ async def settled(node: Node, sandbox_id: str) -> SandboxRecord | None:
         await asyncio.sleep(0)
     await node.orchestrator._liveness.settled(sandbox_id)
     return record(node, sandbox_id)
+
+
+async def test_a_process_exit_is_reported_without_polling(tmp_path: Path) -> None:
+    """``VMMProcess.exited`` wakes on the pidfd with the status: the signal for a child
+    this server started, unknown for an adopted process (not ours to wait for)."""
+    spec = LaunchSpec(
+        argv=("sleep", "60"), cwd=tmp_path, stdout=tmp_path / "out", stderr=tmp_path / "err"
+    )
+    process = launch(spec)
+    other = launch(spec)
+    other.detach()
+    adopted = VMMProcess.adopt(other.pid)
+    try:
+        waiting = asyncio.ensure_future(process.exited())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        os.kill(process.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(waiting, 5) == -signal.SIGKILL
+        os.kill(adopted.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(adopted.exited(), 5) is None
+    finally:
+        for pid in (process.pid, other.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222
+    assert VMMExit(7, -9, "").describe() == "pid 7 was killed by signal 9 (SIGKILL)"
+    assert VMMExit(7, 1, "").describe() == "pid 7 exited with status 1"
+    assert "status unknown" in VMMExit(7, None, "").describe()
 
 
 async def test_a_crashed_vmm_leaves_a_filesystem_pause(
