@@ -425,7 +425,9 @@ class Orchestrator:
         Without ``memory``, only the disk is kept: RAM is discarded and the guest boots
         from its disk on resume (processes restart).
 
-        On failure the VM keeps running (the driver resumes it) and so does the sandbox."""
+        On failure the VM keeps running (the driver resumes it) and so does the sandbox;
+        if the failure was its VMM exiting, the sandbox is a filesystem-only pause and
+        the answer :class:`Conflict`, as for a sandbox already paused."""
         kind = "pause" if memory else "pause-filesystem"
         return await self._operations.run(
             sandbox_id,
