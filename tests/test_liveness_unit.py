@@ -208,6 +208,15 @@ async def test_an_exit_during_an_operation_is_settled_first(
     assert orch.get(view.sandbox_id).state == "running"
 
 
+async def test_resume_right_after_the_exit_boots_the_sandbox(node: Node) -> None:
+    orch = node.orchestrator
+    view = await orch.create(FAKE_TEMPLATE)
+    node.driver.crash(vm_dir(view))
+    resumed = await orch.resume(view.sandbox_id)  # before the watch had a turn
+    assert resumed.state == "running"
+    assert node.driver.calls[-1] == ("boot", vm_dir(view))
+
+
 async def test_auto_resume_traffic_boots_a_crashed_sandbox(node: Node) -> None:
     orch = node.orchestrator
     view = await orch.create(FAKE_TEMPLATE, auto_resume=True)

@@ -444,6 +444,8 @@ class Orchestrator:
         entropy) finishes in the background and proxied traffic waits for it. On failure
         the sandbox stays paused."""
         chosen = self.timeouts.pick(timeout)
+        # A VMM exit already noticed is settled first: that sandbox is paused, and resumed.
+        await self._liveness.settled(sandbox_id)
         return await self._operations.run(
             sandbox_id, "resume", lambda: self._lifecycle.resume(sandbox_id, chosen), join=True
         )
