@@ -10,6 +10,7 @@ with ``qemu-img``, which needs no privileges.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ from agentenv.vmm.base import (
     VirtualMachine,
     VMMCommandError,
     VMMDriver,
+    VMMExit,
     VMMGone,
     VMMStartError,
     VMRunState,
@@ -156,10 +158,15 @@ class FakeVM(VirtualMachine):
         self.driver.consume("kill")
         if self._load() is not None:
             self.record_path.unlink(missing_ok=True)
+            self.driver.exited(self._pid, -9)
         self.driver.killed.append(self.workdir)
 
     async def stats(self) -> VMStats:
         return VMStats(self._pid, self.state, 0, 0, 0.0)
+
+    async def wait_exit(self) -> VMMExit:
+        returncode = await self.driver.exit_of(self._pid)
+        return VMMExit(self._pid, returncode, "fake console: the guest was here")
 
     async def close(self) -> None:
         pass
@@ -169,7 +176,9 @@ class FakeDriver(VMMDriver):
     """A :class:`VMMDriver` whose VMMs are record files in their VM directories (see
     :class:`FakeVM`). ``fail_next(method, error)`` makes the next call of ``method``
     (``boot``, ``restore``, ``attach``, or a VM's ``save_state``, ``seal_drive``,
-    ``pause``, ``resume``, ``kill``) raise ``error``; :meth:`die` makes a VMM exit."""
+    ``pause``, ``resume``, ``kill``) raise ``error``; :meth:`die` makes a VMM exit
+    unseen (as while no server runs), :meth:`crash` makes it exit under the eyes of
+    this driver's handles (as a real VMM's pidfd reports it)."""
 
     name = FAKE_DRIVER
     disk_formats = ("raw", "qcow2")
@@ -182,6 +191,8 @@ class FakeDriver(VMMDriver):
         self._failures: dict[str, list[BaseException]] = defaultdict(list)
         self.calls: list[tuple[str, Path]] = []
         self.killed: list[Path] = []
+        # The exit status of each fake VMM process, set when it exits.
+        self._exits: dict[int, asyncio.Future[int]] = {}
 
     def fail_next(self, method: str, error: BaseException) -> None:
         self._failures[method].append(error)
@@ -196,6 +207,26 @@ class FakeDriver(VMMDriver):
     def die(vm_dir: Path) -> None:
         """The VMM whose files are in ``vm_dir`` exits (crashes)."""
         (vm_dir / VMM_RECORD).unlink(missing_ok=True)
+
+    def crash(self, vm_dir: Path, returncode: int = -9) -> None:
+        """The VMM whose files are in ``vm_dir`` exits (by default, killed by SIGKILL)
+        and the handles on it notice, as a real VMM's pidfd tells them."""
+        data = json.loads((vm_dir / VMM_RECORD).read_text())
+        self.die(vm_dir)
+        self.exited(int(data["pid"]), returncode)
+
+    def exited(self, pid: int, returncode: int) -> None:
+        future = self._exit_future(pid)
+        if not future.done():
+            future.set_result(returncode)
+
+    async def exit_of(self, pid: int) -> int:
+        return await asyncio.shield(self._exit_future(pid))
+
+    def _exit_future(self, pid: int) -> asyncio.Future[int]:
+        if pid not in self._exits:
+            self._exits[pid] = asyncio.get_running_loop().create_future()
+        return self._exits[pid]
 
     @staticmethod
     def running(vm_dir: Path) -> bool:

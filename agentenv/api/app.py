@@ -396,6 +396,11 @@ def create_app(
     async def sandbox_metrics(sandbox_id: str) -> list[SandboxMetric]:
         view = orchestrator.get(sandbox_id)
         data = await orchestrator.guest_metrics(sandbox_id)
+        if data is None:
+            # Not running (paused, or its VMM just exited). E2B answers with the metrics
+            # recorded in a time range, and the SDK returns that list; a sandbox that
+            # is not running records none, so the list is empty rather than an error.
+            return []
         ts = float(str(data.get("ts", time.time())))
         return [
             SandboxMetric(
@@ -416,7 +421,8 @@ def create_app(
         and has been resumed."""
         timeout = body.timeout if body and body.timeout is not None else None
         try:
-            current = orchestrator.get(sandbox_id)
+            # Settled first: a sandbox whose VMM just exited is paused, and resumed here.
+            current = await orchestrator.get_settled(sandbox_id)
         except SandboxNotFound:
             # Perhaps paused on another node that shares the repository.
             response.status_code = 201

@@ -1,9 +1,12 @@
 """The VMM processes of a node's sandboxes: which ones this server holds, the machine
 shape every restore of a sandbox presents, and removing what a sandbox leaves.
 
-Owns the map of attached :class:`~agentenv.vmm.base.VirtualMachine` objects. Does not
-change sandbox states (its callers do, through the store) and does not decide when a
-VM starts or stops.
+Owns the map of attached :class:`~agentenv.vmm.base.VirtualMachine` objects and watches
+each for its process's exit (:meth:`VirtualMachine.wait_exit`, a pidfd underneath: no
+polling). A VM that exits while still attached exited unexpectedly (the server detaches
+a VM, :meth:`Machines.pop`, before it stops or kills it): the exit handler is told
+(:class:`~.liveness.VmmLiveness` settles the sandbox). Does not change sandbox states
+(its callers do, through the store) and does not decide when a VM starts or stops.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +28,15 @@ from agentenv.orchestrator.store import SandboxRecord, Store
 from agentenv.snapshots.layout import MachineSnapshot
 from agentenv.storage.clone import flush_file
 from agentenv.storage.images import DiskFormat
-from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec, VirtualMachine, VMMDriver, VMMError
+from agentenv.vmm.base import (
+    DriveSpec,
+    MachineSpec,
+    NetSpec,
+    VirtualMachine,
+    VMMDriver,
+    VMMError,
+    VMMExit,
+)
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -48,13 +60,57 @@ class Machines:
         self.store = store
         self.accel = accel
         self._vms: dict[str, VirtualMachine] = {}
+        # One task per attached VM, waiting for its process to exit.
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        # How each attached VM that exited did: until its sandbox is settled.
+        self._exits: dict[str, VMMExit] = {}
+        self._exit_handler: Callable[[str, VirtualMachine, VMMExit], None] | None = None
 
     # -- the attached VMs ------------------------------------------------------------
+    def on_unexpected_exit(self, handler: Callable[[str, VirtualMachine, VMMExit], None]) -> None:
+        """Call ``handler(sandbox_id, vm, how)`` when an attached VM's process exits
+        while it is still attached: nothing in this server meant it to."""
+        self._exit_handler = handler
+
     def add(self, sandbox_id: str, vm: VirtualMachine) -> None:
         self._vms[sandbox_id] = vm
+        self._stop_watching(sandbox_id)
+        self._watches[sandbox_id] = asyncio.get_running_loop().create_task(
+            self._watch(sandbox_id, vm), name=f"vmm-exit-{sandbox_id}"
+        )
 
     def pop(self, sandbox_id: str) -> VirtualMachine | None:
+        """Detach the sandbox's VM (before stopping or killing it on purpose: its exit
+        is then expected and not reported)."""
+        self._stop_watching(sandbox_id)
+        self._exits.pop(sandbox_id, None)
         return self._vms.pop(sandbox_id, None)
+
+    def current(self, sandbox_id: str) -> VirtualMachine | None:
+        """The VM attached for ``sandbox_id``, alive or not."""
+        return self._vms.get(sandbox_id)
+
+    def exit_of(self, sandbox_id: str) -> VMMExit | None:
+        """How the attached VM of ``sandbox_id`` exited, if it has (and has been seen
+        to: the exit is noticed by the event loop, within milliseconds)."""
+        return self._exits.get(sandbox_id)
+
+    async def _watch(self, sandbox_id: str, vm: VirtualMachine) -> None:
+        try:
+            how = await vm.wait_exit()
+        except Exception as exc:  # the handle cannot tell; its operations will
+            log.error("watching the VMM of sandbox %s failed: %s", sandbox_id, exc)
+            return
+        if self._vms.get(sandbox_id) is not vm:
+            return  # detached meanwhile: an exit this server caused
+        self._exits[sandbox_id] = how
+        if self._exit_handler is not None:
+            self._exit_handler(sandbox_id, vm, how)
+
+    def _stop_watching(self, sandbox_id: str) -> None:
+        watch = self._watches.pop(sandbox_id, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
 
     def running_vm(self, rec: SandboxRecord) -> VirtualMachine:
         """The VM of a running sandbox; :class:`Conflict` if it is not running."""
@@ -67,9 +123,12 @@ class Machines:
 
     async def close_all(self) -> None:
         """Let go of every VMM (they keep running, to be re-adopted)."""
+        for sandbox_id in list(self._watches):
+            self._stop_watching(sandbox_id)
         for vm in self._vms.values():
             await vm.close()
         self._vms.clear()
+        self._exits.clear()
 
     async def flush_shared_memory(self) -> None:
         """Write back the dirty pages of RAM files: a snapshot or fork must write back
@@ -137,7 +196,7 @@ class Machines:
     async def discard(self, rec: SandboxRecord) -> None:
         """Remove everything a sandbox holds and its record, tolerating parts that are
         already gone (a crashed server's leftovers, a create that failed midway)."""
-        self._vms.pop(rec.sandbox_id, None)
+        self.pop(rec.sandbox_id)
         await self.kill_leftover(SandboxDir(rec.workdir).vm_dir)
         with contextlib.suppress(Exception):
             await self.network.destroy(rec.slot)

@@ -11,7 +11,8 @@ around every change and calls the component that does the work:
 - :mod:`.sync`: commits, uploads, adoption and handoff through the repository;
 - :mod:`.recovery`: what a previous run left;
 - :mod:`.resources`: network slots and leases, file pins and collection;
-- :mod:`.machines`: the attached VMMs; :mod:`.supervisor`: background tasks.
+- :mod:`.machines`: the attached VMMs; :mod:`.liveness`: those that exit on their own;
+- :mod:`.supervisor`: background tasks.
 
 Lifecycle: :meth:`Orchestrator.startup` (open the store, recover, start background work
 and the base template build), then requests, then :meth:`Orchestrator.shutdown`.
@@ -48,6 +49,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
+from agentenv.orchestrator.liveness import VmmLiveness
 from agentenv.orchestrator.machines import Machines
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
@@ -167,6 +169,7 @@ class Orchestrator:
             self.http,
             boot_timeout=config.template_boot_timeout,
         )
+        self._liveness = VmmLiveness(self.store, self._machines, self._operations, self._lifecycle)
         self._recovery = Recovery(
             config.sandboxes_dir,
             config.snapshots_dir,
@@ -309,12 +312,23 @@ class Orchestrator:
             problem=self.templates.last_error,
         )
 
-    async def guest_metrics(self, sandbox_id: str) -> dict[str, object]:
-        """Current resource use inside the guest, as envd reports it."""
-        view = self.get(sandbox_id)
+    async def get_settled(self, sandbox_id: str) -> SandboxView:
+        """:meth:`get`, once a VMM exit of the sandbox already noticed is settled: a
+        sandbox whose VMM just died shows as paused, never as running with no VM."""
+        await self._liveness.settled(sandbox_id)
+        return self.get(sandbox_id)
+
+    async def guest_metrics(self, sandbox_id: str) -> dict[str, object] | None:
+        """Current resource use inside the guest, as envd reports it; None for a
+        sandbox that is not running (paused, or its VMM just exited): it has none."""
+        view = await self.get_settled(sandbox_id)
+        if view.state != "running":
+            return None
         try:
             return await envd_client.metrics(self.http, view.guest_address, view.record.envd_token)
         except envd_client.EnvdUnreachable as exc:
+            if (await self.get_settled(sandbox_id)).state != "running":
+                return None  # its VMM exited while envd was being asked
             raise GuestUnavailable(f"sandbox {sandbox_id}: {exc}") from exc
 
     async def ready_for_traffic(self, sandbox_id: str) -> SandboxView:
@@ -322,6 +336,7 @@ class Orchestrator:
         ``autoResume`` is resumed, an operation in progress is waited for, and so is
         envd's re-initialisation after a resume. Raises :class:`Conflict` for a sandbox
         that is paused and stays so."""
+        await self._liveness.settled(sandbox_id)
         rec = self.store.get_sandbox(sandbox_id)
         if rec is None or rec.state not in VISIBLE_STATES:
             raise SandboxNotFound(sandbox_id)
@@ -410,10 +425,17 @@ class Orchestrator:
         Without ``memory``, only the disk is kept: RAM is discarded and the guest boots
         from its disk on resume (processes restart).
 
-        On failure the VM keeps running (the driver resumes it) and so does the sandbox."""
+        On failure the VM keeps running (the driver resumes it) and so does the sandbox;
+        if the failure was its VMM exiting, the sandbox is a filesystem-only pause and
+        the answer :class:`Conflict`, as for a sandbox already paused."""
         kind = "pause" if memory else "pause-filesystem"
         return await self._operations.run(
-            sandbox_id, kind, lambda: self._lifecycle.pause(sandbox_id, memory), join=True
+            sandbox_id,
+            kind,
+            lambda: self._liveness.guard(
+                sandbox_id, lambda: self._lifecycle.pause(sandbox_id, memory)
+            ),
+            join=True,
         )
 
     async def resume(self, sandbox_id: str, timeout: int | None = None) -> SandboxView:
@@ -422,6 +444,8 @@ class Orchestrator:
         entropy) finishes in the background and proxied traffic waits for it. On failure
         the sandbox stays paused."""
         chosen = self.timeouts.pick(timeout)
+        # A VMM exit already noticed is settled first: that sandbox is paused, and resumed.
+        await self._liveness.settled(sandbox_id)
         return await self._operations.run(
             sandbox_id, "resume", lambda: self._lifecycle.resume(sandbox_id, chosen), join=True
         )
@@ -472,7 +496,9 @@ class Orchestrator:
             )
             return SnapshotView(snap_rec)
 
-        view = await self._operations.run(sandbox_id, "snapshot", work, join=False)
+        view = await self._operations.run(
+            sandbox_id, "snapshot", lambda: self._liveness.guard(sandbox_id, work), join=False
+        )
         if wait_commit:
             try:
                 await self._sync.commit(view.snapshot_id)
@@ -518,7 +544,9 @@ class Orchestrator:
             rec = self._lifecycle.existing(sandbox_id)
             return rec, await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
 
-        parent, image = await self._operations.run(sandbox_id, "fork", capture, join=False)
+        parent, image = await self._operations.run(
+            sandbox_id, "fork", lambda: self._liveness.guard(sandbox_id, capture), join=False
+        )
         image_id = image.snapshot_id
         try:
             snapshot = MachineSnapshot.load(image.snapshot_dir)

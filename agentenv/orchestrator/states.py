@@ -14,6 +14,8 @@ Besides the happy paths: a failed pause, snapshot or fork goes back to ``running
 failed resume back to ``paused``, and recovery after a crash may settle any in-between
 state (``pausing -> paused`` when the save had finished, a VM state to ``paused`` when
 its VMM is lost but its disk is not, a VM state to ``running`` when its VMM survived).
+A VMM that exits on its own while the server runs takes ``running -> paused`` the same
+way (:mod:`.liveness`, under the operation lock, so from ``running`` only).
 A record in ``creating`` or ``killing`` is never settled: it is removed with its files.
 """
 
@@ -39,7 +41,8 @@ S = SandboxState
 
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     S.CREATING: frozenset({S.RUNNING}),
-    # paused directly: recovery keeps a sandbox whose VMM died as a filesystem-only pause.
+    # paused directly: a sandbox whose VMM died is kept as a filesystem-only pause, by
+    # recovery after a restart or by liveness as soon as the exit is noticed.
     S.RUNNING: frozenset({S.PAUSING, S.SNAPSHOTTING, S.FORKING, S.KILLING, S.PAUSED}),
     # paused: saved; running: the save failed and the VM runs on.
     S.PAUSING: frozenset({S.PAUSED, S.RUNNING}),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import signal
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -200,6 +201,30 @@ class SnapshotFiles:
 
 
 @dataclass(frozen=True)
+class VMMExit:
+    """How a VMM process ended, as far as this server can tell: its exit status (the
+    ``Popen`` convention: negative for the signal that killed it) when it was this
+    server's child, else None (a process adopted from a previous server cannot be
+    waited for), and the tail of its logs (VMM output and guest console)."""
+
+    pid: int
+    returncode: int | None
+    log_tail: str
+
+    def describe(self) -> str:
+        if self.returncode is None:
+            return f"pid {self.pid} exited (status unknown: started by a previous server)"
+        if self.returncode < 0:
+            number = -self.returncode
+            try:
+                name = signal.Signals(number).name
+            except ValueError:
+                name = "unknown signal"
+            return f"pid {self.pid} was killed by signal {number} ({name})"
+        return f"pid {self.pid} exited with status {self.returncode}"
+
+
+@dataclass(frozen=True)
 class VMStats:
     pid: int
     state: VMRunState
@@ -255,6 +280,12 @@ class VirtualMachine(ABC):
 
     @abstractmethod
     async def stats(self) -> VMStats: ...
+
+    @abstractmethod
+    async def wait_exit(self) -> VMMExit:
+        """Wait until the VMM process has exited, whatever the cause (a :meth:`kill` of
+        this handle included), and say how. Returns at once if it already has; never
+        returns after :meth:`close` (the process is no longer watched): cancel it."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -52,6 +52,7 @@ from agentenv.vmm.base import (
     VMMCommandError,
     VMMDriver,
     VMMError,
+    VMMExit,
     VMMGone,
     VMMStartError,
     VMRunState,
@@ -110,6 +111,12 @@ def _log_tail(workdir: Path) -> str:
         f"{name}: {text}" for name in (STDERR_FILE, LOG_FILE) if (text := _tail(workdir / name))
     ]
     return "\n".join(parts) or "(no log output)"
+
+
+def _exit_log_tail(workdir: Path) -> str:
+    """What an unexpected exit logs: the VMM's own output and the guest console's end."""
+    console = _tail(workdir / CONSOLE_FILE, 1200)
+    return _log_tail(workdir) + (f"\n{CONSOLE_FILE}: {console}" if console else "")
 
 
 def _boot_args(cmdline: str) -> str:
@@ -403,6 +410,11 @@ class FirecrackerVM(VirtualMachine):
         return VMStats(
             pid=self.pid, state=state, rss_bytes=rss, pss_bytes=pss, cpu_seconds=cpu_seconds
         )
+
+    async def wait_exit(self) -> VMMExit:
+        returncode = await self._process.exited()
+        tail = await asyncio.to_thread(_exit_log_tail, self.workdir)
+        return VMMExit(self.pid, returncode, tail)
 
     async def close(self) -> None:
         if not self._closed:

@@ -139,6 +139,14 @@ class VMMProcess:
             os.close(self._pidfd)
             self._pidfd = -1
 
+    async def exited(self) -> int | None:
+        """Wait for the process to exit (however long that takes: no polling, the pidfd
+        says when) and return its status: ``Popen``'s, negative for the signal that
+        killed it, for a process this server started; None for an adopted one, which
+        is not our child and so cannot be waited for. Never returns once detached."""
+        await self._exited.wait()
+        return self._returncode
+
     async def wait(self, limit_s: float | None = None) -> bool:
         """Wait for the process to exit; True if it did within ``limit_s`` seconds."""
         try:

@@ -50,6 +50,7 @@ from agentenv.vmm.base import (
     VMMCommandError,
     VMMDriver,
     VMMError,
+    VMMExit,
     VMMGone,
     VMMStartError,
     VMRunState,
@@ -78,6 +79,9 @@ _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 
 _LOG_TAIL_BYTES = 3000
+# What an unexpected exit logs of each file: the last lines say why, without flooding
+# the server's log.
+_EXIT_LOG_TAIL_BYTES = 1200
 
 #: QEMU's seccomp filter for confined VMMs.
 SANDBOX_OPTION = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
@@ -99,10 +103,10 @@ def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
         return ""
 
 
-def _logs_tail(workdir: Path) -> str:
+def _logs_tail(workdir: Path, limit: int = _LOG_TAIL_BYTES) -> str:
     parts = []
     for name in (PROCESS_LOG, CONSOLE_LOG):
-        text = _tail(workdir / name).strip()
+        text = _tail(workdir / name, limit).strip()
         if text:
             parts.append(f"--- {name} (tail) ---\n{text}")
     return "\n".join(parts) if parts else "(no output)"
@@ -408,6 +412,11 @@ class QemuVM(VirtualMachine):
         return VMStats(
             pid=pid, state=self.state, rss_bytes=rss, pss_bytes=pss, cpu_seconds=cpu_seconds
         )
+
+    async def wait_exit(self) -> VMMExit:
+        returncode = await self._process.exited()
+        tail = await asyncio.to_thread(_logs_tail, self.workdir, _EXIT_LOG_TAIL_BYTES)
+        return VMMExit(self.pid, returncode, tail)
 
     async def close(self) -> None:
         await self._disconnect()
