@@ -26,8 +26,10 @@ import httpx
 from agentenv.config import Config
 from agentenv.network import EgressPolicy, NetworkError, NetworkManager, SandboxNetwork
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
+from agentenv.orchestrator.layout import SandboxDir
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
+from agentenv.orchestrator.views import SandboxView
 from agentenv.snapshots.layout import MachineSnapshot, write_manifest
 from agentenv.storage.images import create_overlay
 from agentenv.vmm.base import (
@@ -534,3 +536,8 @@ async def start_node(
             )
         )
     return Node(orchestrator, config, driver, network, envd)
+
+
+def vm_dir(view: SandboxView) -> Path:
+    """Where the fake driver keeps the VM of sandbox ``view``."""
+    return SandboxDir(view.record.workdir).vm_dir

@@ -22,11 +22,10 @@ from agentenv.orchestrator.errors import Conflict, SandboxNotFound
 from agentenv.orchestrator.layout import SandboxDir
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, utcnow
-from agentenv.orchestrator.views import SandboxView
 from agentenv.vmm.base import VMMExit, VMMGone
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess
-from tests.fakes import FAKE_TEMPLATE, FakeVM, Node, start_node
+from tests.fakes import FAKE_TEMPLATE, FakeVM, Node, start_node, vm_dir
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
@@ -40,10 +39,6 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     started = await start_node(tmp_path / "a", tmp_path / "repository")
     yield started
     await started.stop()
-
-
-def vm_dir(view: SandboxView) -> Path:
-    return SandboxDir(view.record.workdir).vm_dir
 
 
 def record(node: Node, sandbox_id: str) -> SandboxRecord | None:

@@ -30,7 +30,7 @@ from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, Store, utcn
 from agentenv.orchestrator.views import SandboxView
 from agentenv.storage.images import backing_chain
 from agentenv.vmm.base import VMMCommandError, VMMStartError, VMRunState
-from tests.fakes import FAKE_TEMPLATE, FakeDriver, Node, start_node
+from tests.fakes import FAKE_TEMPLATE, FakeDriver, Node, start_node, vm_dir
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
@@ -49,10 +49,6 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     started = await start_node(tmp_path / "a", tmp_path / "repository")
     yield started
     await started.stop()
-
-
-def vm_dir(view: SandboxView) -> Path:
-    return SandboxDir(view.record.workdir).vm_dir
 
 
 def record(node: Node, sandbox_id: str) -> SandboxRecord:
