@@ -261,16 +261,20 @@ async def test_attach_waits_for_a_launch_chain_to_exec(tmp_path: Path) -> None:
         chain.wait()
 
 
-async def test_attach_kills_a_launch_chain_that_never_execs(tmp_path: Path) -> None:
-    argv = ["sleep", "30.456"]
+async def test_a_launch_chain_that_never_execs_is_gone_to_attach_and_killed(
+    tmp_path: Path,
+) -> None:
+    argv = ["qemu-system-x86_64", "-pidfile", str(tmp_path / "qemu.pid")]
     chain = _chain(tmp_path, 60, argv)
     try:
         QemuDriver._write_record(tmp_path, chain.pid, argv, _plain_spec(tmp_path), tmp_path / "q")
+        driver = QemuDriver(connect_timeout=0.3)
         with pytest.raises(VMMGone):
-            await QemuDriver(connect_timeout=0.3).attach(tmp_path)
-        # Ours (it ends with the recorded argv) and never to be watched: killed, not left
-        # to start a VMM nobody manages.
-        assert await asyncio.to_thread(chain.wait, 5) == -signal.SIGKILL
+            await driver.attach(tmp_path)
+        # Ours (it names the directory and QEMU) and never to be watched: what every
+        # caller of attach does next kills it, not left to start a VMM nobody manages.
+        assert await driver.kill_strays(tmp_path) == [chain.pid]
+        assert not Path(f"/proc/{chain.pid}").exists()
     finally:
         chain.kill()
         chain.wait()

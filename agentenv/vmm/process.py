@@ -71,7 +71,7 @@ async def kill_processes(pids: list[int], limit_s: float = 5.0) -> None:
     for pid in pids:
         try:
             process = VMMProcess.adopt(pid)
-        except (ProcessLookupError, OSError):
+        except OSError:
             continue  # gone already
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(process.kill(), limit_s)

@@ -33,7 +33,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -703,13 +702,9 @@ class QemuDriver(VMMDriver):
             socket_path = Path(record.get("qmp_socket") or qmp_socket_path(workdir))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise VMMGone(f"no usable {VM_RECORD} in {workdir}: {exc}") from exc
-        cmdline = await launched_cmdline(pid, argv, self.connect_timeout)
-        if cmdline != argv:
-            if cmdline[-len(argv) :] == argv:
-                # Still in its launch chain after all that time: ours, and never to be
-                # re-adopted; killed so it cannot start unwatched.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        # A process still in its launch chain after all that time is left to the caller:
+        # every caller kills what it cannot attach (VMMDriver.kill_strays).
+        if await launched_cmdline(pid, argv, self.connect_timeout) != argv:
             raise VMMGone(f"process {pid} from {workdir} is gone (or is no longer our QEMU)")
         try:
             process = VMMProcess.adopt(pid)
