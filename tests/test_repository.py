@@ -16,6 +16,7 @@ from agentenv.snapshots import blobs
 from agentenv.snapshots.objects import (
     ObjectNotFound,
     ObjectStore,
+    PosixObjectStore,
     RepositoryError,
     open_store,
 )
@@ -222,6 +223,55 @@ async def test_corrupt_chunk_detected(store: ObjectStore, tmp_path: Path) -> Non
     await store.put_bytes(manifest, b'{"size": 1, "chunk_size": 4194304, "chunks": []}')
     with pytest.raises(RepositoryError):
         await blobs.pull_file(store, digest, dest)
+
+
+async def test_a_wrong_sized_chunk_is_stored_again(store: ObjectStore, tmp_path: Path) -> None:
+    """A chunk or manifest cut short in the store (an uploader killed mid-PUT, a gateway
+    that kept a truncated body) is not trusted by the next push of the same content: it
+    is written again, and the blob reads back. CI once lost a commit this way."""
+    src = tmp_path / "file"
+    src.write_bytes(os.urandom(6 * MiB))
+    digest = await blobs.push_file(store, src)
+    empty, truncated = (await store.list("chunks/"))[:2]
+    await store.put_bytes(empty, b"")
+    await store.put_bytes(truncated, (await store.get_bytes(truncated))[:1000])
+    manifest = f"blobs/{blobs.parse_digest(digest)}.json"
+    await store.put_bytes(manifest, (await store.get_bytes(manifest))[:10])
+    dest = tmp_path / "out"
+    with pytest.raises(RepositoryError, match="corrupt"):
+        await blobs.pull_file(store, digest, dest)
+
+    assert await blobs.push_file(store, src) == digest
+    await blobs.pull_file(store, digest, dest)
+    assert dest.read_bytes() == src.read_bytes()
+    assert await store.size(empty) in (2 * MiB, 4 * MiB)  # the 6 MiB file ends in 2 MiB
+    assert await store.size("chunks/absent") is None
+
+
+async def test_a_short_read_is_read_again(tmp_path: Path) -> None:
+    """One read of a chunk that comes back short (what an S3 gateway under load can
+    answer) is retried; a chunk that is short every time is corrupt."""
+
+    class ShortReads(PosixObjectStore):
+        def __init__(self, root: Path, short: int) -> None:
+            super().__init__(root)
+            self.short = short
+
+        async def get_bytes(self, key: str) -> bytes:
+            data = await super().get_bytes(key)
+            if key.startswith("chunks/") and self.short > 0:
+                self.short -= 1
+                return b""
+            return data
+
+    src = tmp_path / "file"
+    src.write_bytes(os.urandom(5 * MiB))
+    digest = await blobs.push_file(ShortReads(tmp_path / "repo", 0), src)
+    await blobs.pull_file(ShortReads(tmp_path / "repo", 1), digest, tmp_path / "once")
+    assert (tmp_path / "once").read_bytes() == src.read_bytes()
+    with pytest.raises(RepositoryError, match="corrupt"):
+        await blobs.pull_file(ShortReads(tmp_path / "repo", 100), digest, tmp_path / "always")
+    assert not (tmp_path / "always").exists()
 
 
 async def test_records(store: ObjectStore) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.snapshots.objects import ObjectNotFound, ObjectStore, RepositoryError
+
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 4 * 1024 * 1024
 # Chunks read or transferred at once; bounds memory to about this many chunks.
@@ -130,6 +133,28 @@ def _read_chunk(fd: int, offset: int, length: int) -> tuple[bytes, str] | None:
     return data, hashlib.sha256(data).hexdigest()
 
 
+async def _store_object(store: ObjectStore, key: str, data: bytes) -> None:
+    """Make ``key`` (a content address) hold ``data``. An object already there is trusted
+    only if its length is right: a write cut short (a killed uploader, an S3 gateway that
+    kept a truncated body) leaves a wrong-sized object that would otherwise be skipped by
+    every later push and fail every pull. Such an object is replaced; a concurrent writer
+    of the same key writes the same bytes, so replacing races with nothing."""
+    stored = await store.size(key)
+    if stored == len(data):
+        return
+    if stored is None:
+        await store.put_bytes_if_absent(key, data)
+    else:
+        log.warning(
+            "%s: %s holds %d bytes, not %d: storing it again", store.url, key, stored, len(data)
+        )
+        await store.put_bytes(key, data)
+
+
+async def _store_chunk(store: ObjectStore, h: str, data: bytes) -> None:
+    await _store_object(store, chunk_key(h), data)
+
+
 async def push_file(
     store: ObjectStore,
     path: Path,
@@ -158,9 +183,7 @@ async def push_file(
             nonlocal done
             try:
                 if known is None or h not in known:
-                    key = chunk_key(h)
-                    if not await store.exists(key):
-                        await store.put_bytes_if_absent(key, data)
+                    await _store_chunk(store, h, data)
                     if known is not None:
                         known.add(h)
             finally:
@@ -194,8 +217,7 @@ async def push_file(
     manifest = Manifest(size, chunk_size, tuple(chunks)).to_bytes()
     hexdigest = hashlib.sha256(manifest).hexdigest()
     # Last: the manifest's existence is the promise that every chunk it lists is stored.
-    if not await store.exists(manifest_key(hexdigest)):
-        await store.put_bytes_if_absent(manifest_key(hexdigest), manifest)
+    await _store_object(store, manifest_key(hexdigest), manifest)
     return f"sha256:{hexdigest}"
 
 
@@ -251,24 +273,38 @@ async def pull_file(
         os.ftruncate(fd, manifest.size)
         slots = asyncio.Semaphore(_parallelism(manifest.chunk_size))
 
-        def verify_and_write(offset: int, length: int, h: str, data: bytes) -> None:
+        def verify_and_write(offset: int, length: int, h: str, data: bytes) -> bool:
             if len(data) != length or hashlib.sha256(data).hexdigest() != h:
-                raise RepositoryError(
-                    f"{store.url}: chunk {h} of blob {digest} is corrupt "
-                    f"({len(data)} bytes, expected {length} with that sha256)"
-                )
+                return False
             _write_chunk(fd, offset, data)
+            return True
+
+        async def get_chunk(h: str) -> bytes:
+            try:
+                return await store.get_bytes(chunk_key(h))
+            except ObjectNotFound as exc:
+                raise RepositoryError(
+                    f"{store.url}: chunk {h} of blob {digest} is missing"
+                ) from exc
 
         async def fetch(offset: int, length: int, h: str) -> None:
             nonlocal done
             async with slots:
-                try:
-                    data = await store.get_bytes(chunk_key(h))
-                except ObjectNotFound as exc:
-                    raise RepositoryError(
-                        f"{store.url}: chunk {h} of blob {digest} is missing"
-                    ) from exc
-                await asyncio.to_thread(verify_and_write, offset, length, h, data)
+                data = await get_chunk(h)
+                if not await asyncio.to_thread(verify_and_write, offset, length, h, data):
+                    # Once more: an S3 gateway under load can answer a read short.
+                    log.warning(
+                        "%s: chunk %s read back as %d bytes that do not match; reading it again",
+                        store.url,
+                        h,
+                        len(data),
+                    )
+                    data = await get_chunk(h)
+                    if not await asyncio.to_thread(verify_and_write, offset, length, h, data):
+                        raise RepositoryError(
+                            f"{store.url}: chunk {h} of blob {digest} is corrupt "
+                            f"({len(data)} bytes, expected {length} with that sha256)"
+                        )
             done += length
             if progress:
                 progress(done, total)

@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -89,6 +90,10 @@ class ObjectStore(ABC):
 
     @abstractmethod
     async def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    async def size(self, key: str) -> int | None:
+        """The object's length in bytes, or None if it does not exist."""
 
     @abstractmethod
     async def delete(self, key: str) -> None:
@@ -226,6 +231,21 @@ class PosixObjectStore(ObjectStore):
         path = self._path(key)
         try:
             return await asyncio.to_thread(path.is_file)
+        except OSError as exc:
+            raise self._error("checking", key, exc) from exc
+
+    async def size(self, key: str) -> int | None:
+        path = self._path(key)
+
+        def regular_file_size() -> int | None:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                return None
+            return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+        try:
+            return await asyncio.to_thread(regular_file_size)
         except OSError as exc:
             raise self._error("checking", key, exc) from exc
 
@@ -492,6 +512,20 @@ class S3ObjectStore(ObjectStore):
                     return False
                 raise
             return True
+
+        return await self._call(f"checking {key}", head)
+
+    async def size(self, key: str) -> int | None:
+        k = self._key(key)
+
+        def head(client: Any) -> int | None:
+            try:
+                response = client.head_object(Bucket=self.bucket, Key=k)
+            except botocore.exceptions.ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _NOT_FOUND:
+                    return None
+                raise
+            return int(response["ContentLength"])
 
         return await self._call(f"checking {key}", head)
 
