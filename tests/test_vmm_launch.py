@@ -23,6 +23,7 @@ from agentenv.vmm.launch import (
     LaunchError,
     LaunchSpec,
     command_line,
+    find_launcher,
     launch,
 )
 from agentenv.vmm.process import VMMProcess, read_cmdline
@@ -94,7 +95,7 @@ def test_default_runs_the_vmm_itself(tmp_path: Path) -> None:
     assert command_line(_spec(tmp_path, ("qemu", "-M", "microvm"))) == ["qemu", "-M", "microvm"]
 
 
-def test_chain_joins_cgroup_then_netns_then_drops_privileges(tmp_path: Path) -> None:
+def test_launcher_joins_cgroup_then_netns_then_drops_privileges(tmp_path: Path) -> None:
     fake_cgroup = tmp_path / "cg"
     fake_cgroup.mkdir()
     (fake_cgroup / "cgroup.procs").touch()
@@ -106,29 +107,42 @@ def test_chain_joins_cgroup_then_netns_then_drops_privileges(tmp_path: Path) -> 
         credentials=Credentials(uid=1000, gid=1001, groups=(5, 6)),
     )
     argv = command_line(spec)
-    assert argv[:2] == ["/bin/sh", "-c"]
-    assert argv[4] == str(fake_cgroup)
-    nsenter = argv.index("--net=/run/netns/ns1")
-    assert argv[nsenter - 1].endswith("/nsenter")
-    setpriv = next(i for i, part in enumerate(argv) if part.endswith("/setpriv"))
-    assert nsenter < setpriv
-    assert argv[setpriv + 1 : setpriv + 10] == [
-        "--reuid=1000",
-        "--regid=1001",
+    assert argv[0] == str(find_launcher()) and argv[0].endswith("/agentenv-launch")
+    assert argv[1:] == [
+        "--cgroup",
+        str(fake_cgroup),
+        "--netns",
+        "/run/netns/ns1",
+        "--uid",
+        "1000",
+        "--gid",
+        "1001",
         "--groups",
         "5,6",
-        "--inh-caps=-all",
-        "--ambient-caps=-all",
-        "--bounding-set=-all",
-        "--no-new-privs",
         "--",
+        "vmm",
+        "--flag",
     ]
-    assert argv[-2:] == ["vmm", "--flag"]
 
 
-def test_no_supplementary_groups_clears_them(tmp_path: Path) -> None:
+def test_no_supplementary_groups_gives_none(tmp_path: Path) -> None:
     argv = command_line(_spec(tmp_path, ("vmm",), credentials=Credentials(uid=1, gid=1)))
-    assert "--clear-groups" in argv
+    assert argv[1:] == ["--uid", "1", "--gid", "1", "--", "vmm"]
+
+
+def test_restricted_root_clears_groups_and_sets_no_new_privs(tmp_path: Path) -> None:
+    argv = command_line(_spec(tmp_path, ("jailer",), restricted_root=True))
+    assert argv[1:] == ["--clear-groups", "--no-new-privs", "--", "jailer"]
+
+
+def test_a_missing_launcher_is_a_launch_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AENV_LAUNCHER", str(tmp_path / "absent"))
+    with pytest.raises(LaunchError, match=r"agentenv-launch.*scripts/install"):
+        command_line(_spec(tmp_path, ("vmm",), netns="ns1"))
+    # A VMM with nothing to set up runs without it.
+    assert command_line(_spec(tmp_path, ("vmm",))) == ["vmm"]
 
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "", "x" * 256, "sp ace"])
@@ -147,18 +161,20 @@ def test_cgroup_must_be_a_cgroup_directory(tmp_path: Path) -> None:
 def test_jail_runs_in_a_private_mount_namespace(tmp_path: Path) -> None:
     jail = Jail(root=tmp_path / "jail", hides=tmp_path / "data", workdir=tmp_path / "data/vm")
     argv = command_line(_spec(tmp_path, ("vmm",), jail=jail, oom_score_adj=1000))
-    assert argv[0].endswith("/unshare")
-    assert argv[1:5] == ["--mount", "--propagation", "private", "--"]
-    assert argv[5:7] == ["/bin/sh", "-c"]
-    assert "oom_score_adj" in argv[7] and "--rbind" in argv[7]
     # The work directory goes to its place in the tree, then the tree over the data.
-    assert argv[9:13] == [
+    assert argv[1:] == [
+        "--mount-ns",
+        "--oom-score-adj",
+        "1000",
+        "--bind",
         str(tmp_path / "data/vm"),
         str(tmp_path / "jail/vm"),
+        "--rbind",
         str(tmp_path / "jail"),
         str(tmp_path / "data"),
+        "--",
+        "vmm",
     ]
-    assert argv[-1] == "vmm"
 
 
 def test_jail_workdir_must_be_inside_what_it_hides(tmp_path: Path) -> None:
@@ -282,7 +298,7 @@ async def test_missing_netns_stops_before_the_vmm(tmp_path: Path) -> None:
     process = launch(_spec(tmp_path, ("sleep", "60"), netns=f"absent{uuid.uuid4().hex[:8]}"))
     assert await process.wait(10)
     assert process.returncode != 0
-    assert "nsenter" in (tmp_path / "err.log").read_text()
+    assert "agentenv-launch: open /run/netns/absent" in (tmp_path / "err.log").read_text()
 
 
 @needs_root
@@ -309,10 +325,8 @@ async def test_jail_shows_only_its_tree_and_the_workdir(tmp_path: Path) -> None:
 def test_binds_run_in_a_private_mount_namespace(tmp_path: Path) -> None:
     binds = (Bind(Path("/a"), Path("/t/a")), Bind(Path("/b"), Path("/t/b"), read_only=True))
     argv = command_line(_spec(tmp_path, ("/bin/vmm",), binds=binds))
-    assert argv[1:5] == ["--mount", "--propagation", "private", "--"]
-    script, params = argv[7], argv[9:]
-    assert "-o bind " in script and "-o bind,ro " in script
-    assert params == ["/a", "/t/a", "/b", "/t/b", "/bin/vmm"]
+    options = ["--mount-ns", "--bind", "/a", "/t/a", "--bind-ro", "/b", "/t/b"]
+    assert argv[1:] == [*options, "--", "/bin/vmm"]
     with pytest.raises(LaunchError, match="absolute"):
         command_line(_spec(tmp_path, ("/bin/vmm",), binds=(Bind(Path("a"), Path("/t")),)))
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from agentenv.storage.images import backing_file
 from agentenv.vmm.base import MachineSpec
 from agentenv.vmm.cgroups import CgroupError, CgroupLimits, VmmCgroups
-from agentenv.vmm.launch import Credentials, Jail
+from agentenv.vmm.launch import Credentials, Jail, LaunchError, find_launcher
 
 #: ``oom_score_adj`` of every VMM: killed before anything else on the host.
 VMM_OOM_SCORE_ADJ = 1000
@@ -45,8 +45,6 @@ SERVER_OOM_SCORE_ADJ = -900
 #: Ids per server block: the group, one uid per network slot, the last for VMMs without a
 #: network.
 IDS_PER_SERVER = 1 << 16
-#: Tools the launch chain runs.
-TOOLS = ("setpriv", "unshare", "nsenter", "mount")
 #: Devices a VMM opens (KVM, taps).
 DEVICES = (Path("/dev/kvm"), Path("/dev/net/tun"))
 
@@ -362,9 +360,10 @@ def problems(cgroup_parent: str) -> list[str]:
     found: list[str] = []
     if os.geteuid() != 0:
         found.append("the server is not root (it sets VMM uids, cgroups and mounts)")
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-    if missing:
-        found.append(f"{', '.join(missing)} not found on PATH (util-linux)")
+    try:
+        find_launcher()
+    except LaunchError as exc:
+        found.append(str(exc))
     try:
         cgroups = VmmCgroups.detect(cgroup_parent)
     except CgroupError as exc:

@@ -11,9 +11,9 @@ API thread at once, the VMM thread when the machine is built or loaded).
 What this module adds around the jailer:
 
 - **Who.** The uid and gid are the :class:`~agentenv.vmm.confine.Confinement`'s, as for
-  QEMU: a uid per sandbox, the server's VMM group. The jailer is started through
-  ``setpriv --clear-groups --no-new-privs`` so root's supplementary groups never reach
-  the VMM.
+  QEMU: a uid per sandbox, the server's VMM group. The jailer is started as restricted root (no
+  supplementary groups, ``no_new_privs``) so root's supplementary groups never reach the
+  VMM.
 - **The chroot**, ``<jail base>/firecracker/<id>/root`` with the jail base beside the
   work directory (``.jail-<name>``, as QEMU's jail tree) and ``<id>`` the VMM's cgroup
   name (``vm-<hash of the work directory>``), so the cgroup the jailer creates is the one
@@ -133,16 +133,10 @@ class FirecrackerJail:
     # -- command line ------------------------------------------------------------------
 
     def argv(self, spec: MachineSpec, firecracker_args: list[str]) -> list[str]:
-        """``setpriv`` (no supplementary groups, ``no_new_privs``) exec'ing the jailer,
-        which execs Firecracker with ``firecracker_args`` (``--id`` is the jailer's)."""
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            raise FirecrackerJailError("setpriv (util-linux) is not on PATH")
+        """The jailer's command line, which execs Firecracker with ``firecracker_args``
+        (``--id`` is the jailer's). It is launched as restricted root (no supplementary
+        groups, ``no_new_privs``: :attr:`LaunchSpec.restricted_root`)."""
         return [
-            setpriv,
-            "--clear-groups",
-            "--no-new-privs",
-            "--",
             str(self.jailer),
             "--id",
             self.jail_id,
@@ -186,6 +180,7 @@ class FirecrackerJail:
             argv=tuple(argv),
             binds=self.build(spec, snapshot),
             oom_score_adj=self.confinement.oom_score_adj,
+            restricted_root=True,
         )
 
     # -- chroot --------------------------------------------------------------------------

@@ -7,36 +7,40 @@ goes and its environment. :func:`launch` starts it detached, in a session of its
 must outlive a server restart and be re-adopted), and hands back a
 :class:`~agentenv.vmm.process.VMMProcess` watching it.
 
-Every step that needs privileges is done by a small program that then execs the next
-one, so the pid :func:`launch` returns is the VMM's once the chain has run, and nothing
-runs in the forked server between ``fork`` and ``exec`` (no ``preexec_fn``, which is not
-safe in a process with threads). The chain, in the order the privileges are needed:
+Every step that needs privileges is done by ``agentenv-launch`` (``launcher.c`` beside
+this module, compiled by ``scripts/install``), which then execs the VMM, so the pid
+:func:`launch` returns is the VMM's, and nothing runs in the forked server between
+``fork`` and ``exec`` (no ``preexec_fn``, which is not safe in a process with threads).
+One small C program rather than a chain of util-linux tools (``unshare``, ``sh``,
+``mount``, ``nsenter``, ``setpriv``) because each exec cost about 2 ms of a resume on a
+TCG host. It does, in the order the privileges are needed:
 
-1. With a jail or bind mounts, ``unshare --mount`` gives the process a private mount
-   namespace (mounts made in it never reach the host, and later host mounts do not
-   reach it).
-2. ``/bin/sh`` writes its own pid to each ``<cgroup>/cgroup.procs``: the process joins
-   its cgroups before the VMM starts, so everything the VMM allocates is charged there (a
-   cgroup move does not carry memory charged earlier). It sets ``oom_score_adj`` and
-   makes the mounts: the bind mounts asked for, and with a jail the VMM's own directory
-   over its place in the jail tree, then the jail tree over the directory it hides. If
-   any step fails the shell exits and the VMM never runs unconfined.
-3. ``nsenter --net=/run/netns/NAME`` switches the network namespace only. ``ip netns exec``
+1. With a jail or bind mounts, a private mount namespace (mounts made in it never reach
+   the host, and later host mounts do not reach it).
+2. It writes its own pid to each ``<cgroup>/cgroup.procs``: the process joins its cgroups
+   before the VMM starts, so everything the VMM allocates is charged there (a cgroup move
+   does not carry memory charged earlier). It sets ``oom_score_adj`` and makes the
+   mounts: the bind mounts asked for, and with a jail the VMM's own directory over its
+   place in the jail tree, then the jail tree over the directory it hides.
+3. It joins the network namespace ``/run/netns/NAME`` and nothing else: ``ip netns exec``
    would also give the VMM a private mount namespace with its own ``/sys``, so paths the
    host mounts later (snapshot destinations) could differ from what the VMM sees.
-4. ``setpriv`` sets the real, effective and saved uid and gid and the supplementary
-   groups, empties the inheritable, ambient and bounding capability sets and sets
-   ``no_new_privs``. It comes last because joining a cgroup, mounting and entering a
+4. It sets the real, effective and saved uid and gid and the supplementary groups,
+   empties the inheritable, ambient and bounding capability sets and sets
+   ``no_new_privs``. This comes last because joining a cgroup, mounting and entering a
    namespace need root, and ``Popen(user=...)`` would drop root before the first of them.
 
+If any step fails the launcher exits and the VMM never runs unconfined.
 With none of these set the VMM is executed directly, as root, exactly as before.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -50,9 +54,6 @@ NETNS_DIR = Path("/run/netns")
 # What `ip netns add` accepts as a name, minus "." and "..": the name becomes a path
 # under /run/netns and must not leave it.
 _NETNS_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
-
-# The shell step's name ($0); its positional parameters are consumed by the script.
-_SHELL_NAME = "agentenv-launch"
 
 
 class LaunchError(VMMStartError):
@@ -120,6 +121,9 @@ class LaunchSpec:
     ``more_cgroups`` are further cgroup directories to join (one per controller
     hierarchy on a cgroup v1 host), ``oom_score_adj`` the VMM's OOM-killer bias,
     ``binds`` mounts made in a private mount namespace before the VMM starts.
+    ``restricted_root`` (without ``credentials``) keeps root but clears the supplementary
+    groups and sets ``no_new_privs``: for a program that drops its own privileges, like
+    Firecracker's jailer.
     """
 
     argv: tuple[str, ...]
@@ -135,13 +139,29 @@ class LaunchSpec:
     more_cgroups: tuple[Path, ...] = ()
     oom_score_adj: int | None = None
     binds: tuple[Bind, ...] = ()
+    restricted_root: bool = False
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise LaunchError(f"{name!r} is needed to start a VMM but is not on PATH")
-    return path
+LAUNCHER_NAME = "agentenv-launch"
+LAUNCHER_ENV = "AENV_LAUNCHER"
+
+
+def find_launcher() -> Path:
+    """``agentenv-launch``: ``$AENV_LAUNCHER`` if set, else beside the server's Python
+    (``scripts/install`` compiles it into the virtualenv), else on ``PATH``."""
+    configured = os.environ.get(LAUNCHER_ENV)
+    candidates = (
+        [Path(configured)]
+        if configured
+        else [Path(sys.executable).parent / LAUNCHER_NAME, Path(shutil.which(LAUNCHER_NAME) or "")]
+    )
+    for path in candidates:
+        if path.is_absolute() and path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise LaunchError(
+        f"{LAUNCHER_NAME} is needed to start a confined VMM but was not found"
+        f"{f' at ${LAUNCHER_ENV}={configured}' if configured else ''}: run scripts/install"
+    )
 
 
 def _check_cgroup(path: Path) -> None:
@@ -161,71 +181,51 @@ def _jail_mount_points(jail: Jail) -> tuple[Path, Path]:
     return jail.root / inside, jail.hides
 
 
-def _shell_step(spec: LaunchSpec) -> list[str]:
-    """The ``/bin/sh`` step (cgroups, OOM bias, jail mounts), or nothing if none is
-    needed. Paths go in as positional parameters, never into the script text."""
-    script: list[str] = []
-    params: list[str] = []
+def _launcher_options(spec: LaunchSpec) -> list[str]:
+    """The launcher's options for ``spec``, in its order; empty if nothing needs it."""
+    options: list[str] = []
+    if spec.jail is not None or spec.binds:
+        options.append("--mount-ns")
     for cgroup in (*((spec.cgroup,) if spec.cgroup is not None else ()), *spec.more_cgroups):
         _check_cgroup(cgroup)
-        script.append('echo $$ > "$1/cgroup.procs" || exit 1; shift')
-        params.append(str(cgroup))
+        options += ["--cgroup", str(cgroup)]
     if spec.oom_score_adj is not None:
         if not -1000 <= spec.oom_score_adj <= 1000:
             raise LaunchError(f"oom_score_adj {spec.oom_score_adj} is not in -1000..1000")
-        script.append(f"echo {int(spec.oom_score_adj)} > /proc/self/oom_score_adj || exit 1")
+        options += ["--oom-score-adj", str(int(spec.oom_score_adj))]
     for bind in spec.binds:
         if not (bind.source.is_absolute() and bind.target.is_absolute()):
             raise LaunchError(f"bind mount {bind.source} -> {bind.target} needs absolute paths")
-        # util-linux makes a read-only bind in two steps (bind, then remount read-only).
-        options = "bind,ro" if bind.read_only else "bind"
-        script.append(f'{_tool("mount")} -o {options} "$1" "$2" || exit 1; shift 2')
-        params += [str(bind.source), str(bind.target)]
+        options += ["--bind-ro" if bind.read_only else "--bind", str(bind.source), str(bind.target)]
     if spec.jail is not None:
         workdir_in_jail, hides = _jail_mount_points(spec.jail)
-        mount = _tool("mount")
         # rbind for the tree: a plain bind would leave the work directory mount behind.
-        script.append(f'{mount} --bind "$1" "$2" && {mount} --rbind "$3" "$4" || exit 1; shift 4')
-        params += [str(spec.jail.workdir), str(workdir_in_jail), str(spec.jail.root), str(hides)]
-    if not script:
-        return []
-    script.append('exec "$@"')
-    return ["/bin/sh", "-c", "\n".join(script), _SHELL_NAME, *params]
-
-
-def command_line(spec: LaunchSpec) -> list[str]:
-    """The full command :func:`launch` runs for ``spec``: the privilege steps chained in
-    front of the VMM's argv, each exec'ing the next. Raises :class:`LaunchError` for a
-    spec that cannot be carried out."""
-    if not spec.argv:
-        raise LaunchError("a VMM needs a command line")
-    chain: list[str] = []
-    if spec.jail is not None or spec.binds:
-        chain += [_tool("unshare"), "--mount", "--propagation", "private", "--"]
-    chain += _shell_step(spec)
+        options += ["--bind", str(spec.jail.workdir), str(workdir_in_jail)]
+        options += ["--rbind", str(spec.jail.root), str(hides)]
     if spec.netns is not None:
         if not _NETNS_NAME.match(spec.netns) or spec.netns in (".", ".."):
             raise LaunchError(f"network namespace name {spec.netns!r} is not valid")
-        chain += [_tool("nsenter"), f"--net={NETNS_DIR / spec.netns}", "--"]
+        options += ["--netns", str(NETNS_DIR / spec.netns)]
     if spec.credentials is not None:
         creds = spec.credentials
-        groups = (
-            ["--groups", ",".join(str(g) for g in creds.groups)]
-            if creds.groups
-            else ["--clear-groups"]
-        )
-        chain += [
-            _tool("setpriv"),
-            f"--reuid={creds.uid}",
-            f"--regid={creds.gid}",
-            *groups,
-            "--inh-caps=-all",
-            "--ambient-caps=-all",
-            "--bounding-set=-all",
-            "--no-new-privs",
-            "--",
-        ]
-    return [*chain, *spec.argv]
+        options += ["--uid", str(creds.uid), "--gid", str(creds.gid)]
+        if creds.groups:
+            options += ["--groups", ",".join(str(g) for g in creds.groups)]
+    elif spec.restricted_root:
+        options += ["--clear-groups", "--no-new-privs"]
+    return options
+
+
+def command_line(spec: LaunchSpec) -> list[str]:
+    """The full command :func:`launch` runs for ``spec``: the VMM's argv, behind
+    ``agentenv-launch`` and its options when anything must be set up first. Raises
+    :class:`LaunchError` for a spec that cannot be carried out."""
+    if not spec.argv:
+        raise LaunchError("a VMM needs a command line")
+    options = _launcher_options(spec)
+    if not options:
+        return list(spec.argv)
+    return [str(find_launcher()), *options, "--", *spec.argv]
 
 
 def launch(spec: LaunchSpec) -> VMMProcess:

@@ -33,9 +33,9 @@ def read_cmdline(pid: int) -> list[str]:
 async def launched_cmdline(pid: int, argv: list[str], limit_s: float) -> list[str]:
     """The argv of ``pid`` once the launch chain in front of ``argv`` has run.
 
-    A VMM started through :func:`agentenv.vmm.launch.launch` first runs as the chain's
-    programs (``unshare``, ``sh``, ``nsenter``, ``setpriv``), whose command lines end with
-    the VMM's own ``argv``; each execs the next in the same pid. A server that died in
+    A VMM started through :func:`agentenv.vmm.launch.launch` first runs as
+    ``agentenv-launch`` (and, for a jailed Firecracker, the jailer), whose command lines
+    end with the VMM's own ``argv``, each exec'ing the next in the same pid. A server that died in
     that window and looks again finds the chain, not the VMM: it waits, up to ``limit_s``
     seconds, for the exec rather than take a VMM about to start for someone else's
     process (and leave it running, unwatched)."""
