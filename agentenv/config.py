@@ -134,6 +134,13 @@ class Config(BaseModel):
     repository: str | None = None
     # Endpoint, credentials and region of an s3:// repository.
     s3: S3Settings = Field(default_factory=S3Settings)
+    # Seconds between automatic garbage collections of the repository (blobs and chunks
+    # no record needs), on whichever node comes first; 0 turns them off (then
+    # `aenv-server --collect-garbage` does it by hand). Safe while nodes commit.
+    repository_gc_interval: float = Field(default=6 * 3600.0, ge=0)
+    # What a collection keeps regardless: objects written less than this many seconds
+    # ago. It must exceed the longest gap between a commit's push and its record.
+    repository_gc_grace: float = Field(default=3600.0, ge=0)
     # Bytes this node may keep of what it fetched from the repository (K/M/G suffixes).
     cache_size: str = "20G"
     # This node's name in the repository (who holds a paused sandbox). Default: derived

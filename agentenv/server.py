@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         help="instead of serving: remove from the repository (AENV_REPOSITORY) what no "
         "snapshot, template or paused sandbox references and is older than GRACE_S "
-        "seconds, then exit. Run it while no node is committing.",
+        "seconds, then exit. Safe while nodes commit (it waits for their pushes).",
     )
     args = parser.parse_args(argv)
     # Before anything is written: every file and directory made from here on (state.db,

@@ -5,14 +5,26 @@ collection, and failure when the server dies."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agentenv.config import Config
+from agentenv.orchestrator.catalog import Catalog
 from agentenv.snapshots import blobs
+from agentenv.snapshots.leases import (
+    LEASES_PREFIX,
+    LOCK_KEY,
+    CollectionBusy,
+    CollectionLock,
+    CommitLease,
+)
 from agentenv.snapshots.objects import (
     ObjectNotFound,
     ObjectStore,
@@ -360,6 +372,91 @@ async def test_collect_garbage(store: ObjectStore, tmp_path: Path) -> None:
     assert await store.list("blobs/") == []
 
 
+async def test_a_collection_waits_for_a_push_that_reuses_an_unreferenced_chunk(
+    store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race that made collection unsafe while nodes commit: a push finds a chunk of
+    an unreferenced blob already stored and skips it, a collection deletes the chunk,
+    and the push's manifest names a chunk that is gone. Under the commit lease the
+    collection waits for the push, and no chunk a record needs is removed."""
+    repo = Repository(store)
+    old = tmp_path / "old"
+    old.write_bytes(os.urandom(8 * MiB))
+    await repo.push_file(old)  # no record names it: garbage (grace 0)
+    new = tmp_path / "new"
+    new.write_bytes(old.read_bytes()[: 4 * MiB] + os.urandom(4 * MiB))
+    shared = blobs.chunk_key(hashlib.sha256(old.read_bytes()[: 4 * MiB]).hexdigest())
+
+    # Hold the push just after it found the shared chunk stored.
+    found, go_on = asyncio.Event(), asyncio.Event()
+    size = store.size
+
+    async def size_then_wait(key: str) -> int | None:
+        result = await size(key)
+        if key == shared:
+            found.set()
+            await go_on.wait()
+        return result
+
+    monkeypatch.setattr(store, "size", size_then_wait)
+
+    async def commit() -> str:
+        async with repo.commit_lease("pusher"):
+            digest = await repo.push_file(new)
+            await repo.put_record("snapshots", "new", {"id": "new", "blobs": {"m": digest}})
+        return digest
+
+    push = asyncio.create_task(commit())
+    await asyncio.wait_for(found.wait(), 60)
+    collection = asyncio.create_task(
+        repo.collect_garbage(grace_s=0, holder="collector", poll_s=0.05)
+    )
+    await asyncio.sleep(1.0)
+    assert not collection.done()
+    assert await store.exists(shared)
+    go_on.set()
+    digest = await asyncio.wait_for(push, 60)
+    # The old blob's manifest and the chunk only it held; not the shared one.
+    assert await asyncio.wait_for(collection, 60) == (1, 1)
+    await repo.pull_file(digest, tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == new.read_bytes()
+    assert await store.list("gc/") == []
+
+
+async def test_a_push_waits_for_a_collection_and_dead_holders_expire(
+    store: ObjectStore,
+) -> None:
+    repo = Repository(store)
+    lock = CollectionLock(store, "collector", poll_s=0.05)
+    await lock.__aenter__()
+    try:
+        # A commit waits while a collection holds the repository, and gives up in time.
+        with pytest.raises(CollectionBusy, match="collector"):
+            async with CommitLease(store, "pusher", wait_s=0.3, poll_s=0.05):
+                pass
+        assert await store.list(LEASES_PREFIX) == []  # it withdrew its lease
+        # A second collection does not run beside the first.
+        with pytest.raises(CollectionBusy, match="collector"):
+            await repo.collect_garbage(grace_s=0, holder="second", poll_s=0.05)
+        waiting = asyncio.create_task(repo.commit_lease("pusher").__aenter__())
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+    finally:
+        await lock.__aexit__(None, None, None)
+    # Once the collection is over, the waiting commit goes on.
+    lease = await asyncio.wait_for(waiting, 30)
+    await lease.__aexit__(None, None, None)
+
+    # A lock and a lease left by nodes that died (expired) block nothing.
+    dead = json.dumps({"holder": "dead", "expires": time.time() - 3600}).encode()
+    await store.put_bytes(LOCK_KEY, dead)
+    await store.put_bytes(f"{LEASES_PREFIX}dead.json", dead)
+    async with CommitLease(store, "pusher", poll_s=0.05):
+        pass
+    assert await repo.collect_garbage(grace_s=0, poll_s=0.05) == (0, 0)
+    assert await store.list("gc/") == []
+
+
 async def test_dead_server_fails_fast(tmp_path: Path) -> None:
     with start_s3_server(tmp_path / "s3") as server:
         store = open_store(server.url("dead"), server.env)
@@ -428,3 +525,29 @@ async def test_known_chunks_are_not_asked_about_and_gc_changes_the_epoch(
     digest = await repo.push_file(src, chunk_size=1024 * 1024, known=again)
     await repo.pull_file(digest, tmp_path / "back")
     assert (tmp_path / "back").read_bytes() == src.read_bytes()
+
+
+async def test_automatic_collection_runs_once_per_interval_across_nodes(tmp_path: Path) -> None:
+    """Each node's loop calls collect_garbage_if_due; the first collects, a node coming
+    less than an interval later skips."""
+
+    def catalog(node: str) -> Catalog:
+        config = Config(
+            home=tmp_path / node,
+            repository=(tmp_path / "repo").as_uri(),
+            node_id=node,
+            repository_gc_interval=3600,
+            repository_gc_grace=0,
+        )
+        return Catalog(config, set)
+
+    first, second = catalog("a"), catalog("b")
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(os.urandom(MiB))
+    await first.repository.push_file(garbage)
+    await first.collect_garbage_if_due()
+    assert await first.repository.store.list("blobs/") == []
+
+    await second.repository.push_file(garbage)
+    await second.collect_garbage_if_due()  # a minute after the first: not due
+    assert len(await second.repository.store.list("blobs/")) == 1

@@ -28,6 +28,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
+from agentenv.snapshots.leases import CollectionBusy
 from agentenv.snapshots.objects import RepositoryError, open_store
 from agentenv.snapshots.publish import DigestMemo, Fetcher, KnownChunks, Published, Publisher
 from agentenv.snapshots.repository import InvalidName, Repository
@@ -65,6 +66,7 @@ class Catalog:
             self.memo,
             config.image_cache,
             KnownChunks(config.cache_dir / "known-chunks.json"),
+            holder=self.node,
         )
         self.fetcher = Fetcher(self.repository, self.cache, self.memo, config.image_cache, pinned)
         self._fetching: dict[str, asyncio.Lock] = {}
@@ -139,6 +141,31 @@ class Catalog:
                     raise Conflict(f"name {name!r} was taken meanwhile")
 
         await _guard(f"committing {snapshot_id}", work())
+
+    async def collect_garbage_if_due(self) -> None:
+        """The automatic garbage collection (every ``repository_gc_interval`` seconds
+        on each node): skipped when another node collected less than an interval ago or
+        is collecting now; safe while other nodes commit (see
+        :mod:`agentenv.snapshots.leases`)."""
+        interval = self.config.repository_gc_interval
+        try:
+            since = await self.repository.seconds_since_collection()
+            if since is not None and since < 0.9 * interval:
+                return
+            removed = await self.repository.collect_garbage(
+                grace_s=self.config.repository_gc_grace, holder=self.node
+            )
+        except CollectionBusy as exc:
+            log.info("garbage collection skipped: %s", exc)
+            return
+        except RepositoryError as exc:
+            log.warning("garbage collection failed: %s", exc)
+            return
+        log.info(
+            "garbage collection of %s removed %d blobs and %d chunks",
+            self.repository.url,
+            *removed,
+        )
 
     async def delete(self, entry: SnapshotEntry) -> None:
         async def work() -> None:

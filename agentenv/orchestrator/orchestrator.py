@@ -224,6 +224,12 @@ class Orchestrator:
         self._supervisor.every(
             "ram-flush", RAM_FLUSH_INTERVAL_S, self._machines.flush_shared_memory
         )
+        if self.config.repository_gc_interval > 0:
+            self._supervisor.every(
+                "repository-gc",
+                self.config.repository_gc_interval,
+                self.catalog.collect_garbage_if_due,
+            )
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
         self._started = True

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 from agentenv.snapshots import blobs
+from agentenv.snapshots.leases import CollectionLock, CommitLease
 from agentenv.snapshots.objects import ObjectNotFound, ObjectStore, RepositoryError
 
 log = logging.getLogger(__name__)
@@ -222,6 +223,14 @@ class Repository:
         except ObjectNotFound:
             return ""
 
+    async def seconds_since_collection(self) -> float | None:
+        """How long ago the last garbage collection started (by this host's clock), or
+        None if none has run or the store cannot tell."""
+        try:
+            return await self.store.age(GC_EPOCH_KEY)
+        except ObjectNotFound:
+            return None
+
     async def _old_enough(self, key: str, grace_s: float) -> bool:
         if grace_s <= 0:
             return True
@@ -232,16 +241,34 @@ class Repository:
         # A store that cannot tell ages gets no grace.
         return age is None or age >= grace_s
 
-    async def collect_garbage(self, *, grace_s: float = 3600) -> tuple[int, int]:
-        """Delete blob manifests no record references, then chunks no remaining manifest
-        lists; objects written less than ``grace_s`` ago are kept (a push in progress has
-        written chunks and maybe its manifest, but no record yet). Returns (blobs removed,
-        chunks removed).
+    def commit_lease(self, holder: str, *, wait_s: float = 600.0) -> CommitLease:
+        """Held around a push (``async with``) so that no garbage collection sweeps while
+        it runs: see :mod:`agentenv.snapshots.leases`."""
+        return CommitLease(self.store, holder, wait_s=wait_s)
 
-        Not safe against a concurrent push that reuses a chunk only an unreferenced blob
-        held: run it when no pushes are in progress. Starts a new :meth:`gc_epoch`, so
-        that nodes forget which chunks they knew to be stored."""
-        await self.store.put_bytes(GC_EPOCH_KEY, secrets.token_hex(8).encode())
+    async def collect_garbage(
+        self,
+        *,
+        grace_s: float = 3600,
+        holder: str = "aenv-server --collect-garbage",
+        wait_s: float = 600.0,
+        poll_s: float = 2.0,
+    ) -> tuple[int, int]:
+        """Delete blob manifests no record references, then chunks no remaining manifest
+        lists; objects written less than ``grace_s`` ago are kept (a commit that has
+        pushed its blobs but not yet written its record). Returns (blobs removed, chunks
+        removed).
+
+        Safe while other nodes commit: it runs under the collection lock, once no push
+        holds a commit lease (waiting up to ``wait_s``), so no push can come to rely on a
+        chunk it deletes. :class:`~agentenv.snapshots.leases.CollectionBusy` if another
+        collection runs or pushes kept their leases too long. Starts a new
+        :meth:`gc_epoch`, so that nodes forget which chunks they knew to be stored."""
+        async with CollectionLock(self.store, holder, wait_s=wait_s, poll_s=poll_s) as lock:
+            await self.store.put_bytes(GC_EPOCH_KEY, secrets.token_hex(8).encode())
+            return await self._sweep(grace_s, lock)
+
+    async def _sweep(self, grace_s: float, lock: CollectionLock) -> tuple[int, int]:
         records = await self._records("catalog/")
         referenced: set[str] = set()
         for key, record in records.items():
@@ -256,6 +283,7 @@ class Repository:
             if hexdigest in live_hex or not await self._old_enough(key, grace_s):
                 kept_manifests.append(key)
                 continue
+            lock.check()
             await self.store.delete(key)
             blobs_removed += 1
 
@@ -277,6 +305,7 @@ class Repository:
                 continue
             if not await self._old_enough(key, grace_s):
                 continue
+            lock.check()
             await self.store.delete(key)
             chunks_removed += 1
         return blobs_removed, chunks_removed

@@ -119,9 +119,9 @@ def test_this_hosts_cgroup2_hierarchy_favors_dynamic_moves() -> None:
 def test_startup_check_names_what_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # no util-linux tools
+    monkeypatch.setenv("AENV_LAUNCHER", str(tmp_path / "absent"))  # not built
     config = Config.load(env={}, home=tmp_path / "home")
-    with pytest.raises(NodeSetupError, match="setpriv, unshare, nsenter, mount") as refused:
+    with pytest.raises(NodeSetupError, match="agentenv-launch .*not found") as refused:
         vmm_confinement(config)
     assert "confine_vmm = false" in str(refused.value)
     assert vmm_confinement(config.with_overrides(confine_vmm=False)) is None
