@@ -83,7 +83,7 @@ LEAKY_ENV = {"PYTHONPATH": "/envd-test-leak", "LD_LIBRARY_PATH": "/envd-test-lea
 class Envd:
     """One envd subprocess on 127.0.0.1."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_file: Path | None = None) -> None:
         self.port = _free_port()
         self.control_port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -103,6 +103,7 @@ class Envd:
                 "--host",
                 "127.0.0.1",
                 "--no-system-changes",
+                *(["--state-file", str(state_file)] if state_file else []),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -559,6 +560,47 @@ async def test_access_token_enforced(fresh_envd: Envd) -> None:
         assert raised.value.code == Code.UNAUTHENTICATED
         events = await collect(c.start(bash("echo hi"), headers=token))
         assert output(events, "stdout") == b"hi\n"
+
+
+def test_a_restarted_envd_keeps_its_configuration(tmp_path: Path) -> None:
+    """The guest's init restarts an envd that died (kill -9, OOM); the new one reads
+    what /init configured from its state file instead of coming back open, with no
+    token, the wrong user and no env vars."""
+    state_file = tmp_path / "run" / "aenv" / "envd-state.json"
+    first = Envd(state_file)
+    try:
+        init = {"accessToken": "kept", "envVars": {"KEPT": "yes"}, "defaultWorkdir": "/tmp"}
+        assert httpx.post(f"{first.control_url}/init", json=init).status_code == 204
+        assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(state_file.parent.stat().st_mode) == 0o700
+        first.proc.kill()
+        first.proc.wait()
+    finally:
+        first.stop()
+    second = Envd(state_file)
+    try:
+        token = {"X-Access-Token": "kept"}
+        assert httpx.get(f"{second.url}/envs").status_code == 401
+        assert httpx.get(f"{second.url}/envs", headers=token).json() == {"KEPT": "yes"}
+
+        async def run() -> bytes:
+            async with ProcessClient(
+                second.url, codec=proto_json_codec(), send_compression=None
+            ) as c:
+                return output(
+                    await collect(c.start(bash("echo $KEPT; pwd"), headers=token)), "stdout"
+                )
+
+        assert asyncio.run(run()) == b"yes\n/tmp\n"
+    finally:
+        second.stop()
+    # A state file it cannot read is ignored, not fatal.
+    state_file.write_text("{not json")
+    third = Envd(state_file)
+    try:
+        assert httpx.get(f"{third.url}/envs").status_code == 200  # unconfigured
+    finally:
+        third.stop()
 
 
 def test_init_is_served_on_the_control_port_only(fresh_envd: Envd) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .server import DEFAULT_CONTROL_PORT, DEFAULT_HOST, DEFAULT_PORT, ServerOptions, run
 
@@ -34,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         help="never set the clock or seed the kernel RNG from /init "
         "(for running envd outside a guest, e.g. in tests)",
     )
+    parser.add_argument(
+        "--state-file",
+        type=Path,
+        help="keep /init's configuration (token, user, env vars) in this file, root-only, "
+        "so an envd restarted after a crash comes back configured",
+    )
     args = parser.parse_args(argv)
     for flag, port in (("--port", args.port), ("--control-port", args.control_port)):
         if not 0 < port < 65536:
@@ -46,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         control_port=args.control_port,
         log_level=args.log_level,
         manage_system=not args.no_system_changes,
+        state_file=args.state_file,
     )
 
 

@@ -14,6 +14,7 @@ import logging
 import signal
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 DEFAULT_PORT = 49983
@@ -33,6 +34,8 @@ class ServerOptions:
     log_level: str = "warning"
     #: Whether /init may set the system clock and seed the kernel RNG (off outside a guest).
     manage_system: bool = True
+    #: Where /init's configuration is kept for an envd restarted after a crash.
+    state_file: Path | None = None
 
 
 async def serve(options: ServerOptions) -> None:
@@ -43,7 +46,11 @@ async def serve(options: ServerOptions) -> None:
     from .processes import ProcessRegistry
     from .state import EnvdState
 
-    state = EnvdState(manage_system=options.manage_system)
+    state = (
+        EnvdState.restore(options.state_file, manage_system=options.manage_system)
+        if options.state_file is not None
+        else EnvdState(manage_system=options.manage_system)
+    )
     registry = ProcessRegistry()
     sockets = [_listen(options.host, options.port), _listen(options.host, options.control_port)]
     config = uvicorn.Config(

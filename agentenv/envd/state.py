@@ -4,6 +4,11 @@ token, default user and workdir, plus the one-shot system effects (clock, entrop
 /init is called again after every snapshot restore, so applying it must be idempotent:
 env vars are merged, the token and defaults are replaced, and the clock is only stepped
 when it is actually off.
+
+In a guest the configuration is also kept in a root-only file on ``/run`` (a tmpfs, so
+it lives exactly as long as the guest's memory, snapshots included): the guest's init
+restarts an envd that died, and the new one must come back with the same token, user
+and env vars rather than open and unconfigured.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import binascii
 import datetime as dt
 import fcntl
 import hmac
+import json
 import logging
 import os
 import struct
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .users import OSUser, UnknownUserError, expand_path, initial_default_user, lookup_user
@@ -125,6 +132,46 @@ class EnvdState:
     default_user: str = field(default_factory=initial_default_user)
     #: The workdir /init configured; None means "the user's home".
     default_workdir: str | None = None
+    #: Where the configuration is kept for an envd restarted after a crash; None: nowhere.
+    state_file: Path | None = None
+
+    @classmethod
+    def restore(cls, state_file: Path, *, manage_system: bool = True) -> EnvdState:
+        """A state keeping its configuration in ``state_file``, with what an earlier envd
+        of this guest kept there (nothing if there is none or it is unreadable)."""
+        state = cls(manage_system=manage_system, state_file=state_file)
+        try:
+            kept = json.loads(state_file.read_text())
+            env_vars = {str(k): str(v) for k, v in dict(kept["env_vars"]).items()}
+            token, user, workdir = (kept[k] for k in ("access_token", "default_user", "workdir"))
+            if not all(v is None or isinstance(v, str) for v in (token, user, workdir)):
+                raise TypeError("not strings")
+        except FileNotFoundError:
+            return state
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring the kept configuration in %s: %s", state_file, e)
+            return state
+        state.env_vars, state.access_token, state.default_workdir = env_vars, token, workdir
+        if user is not None:
+            state.default_user = user
+        logger.warning("restarted: configuration restored from %s", state_file)
+        return state
+
+    def _keep(self) -> None:
+        if self.state_file is None:
+            return
+        kept = {
+            "env_vars": self.env_vars,
+            "access_token": self.access_token,
+            "default_user": self.default_user,
+            "workdir": self.default_workdir,
+        }
+        self.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.state_file.with_name(f".{self.state_file.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(kept, f)
+        os.replace(tmp, self.state_file)
 
     def apply_init(self, request: InitRequest) -> None:
         """Apply an /init request. Validates first so a bad request changes nothing."""
@@ -144,6 +191,11 @@ class EnvdState:
             self.default_user = request.default_user
         if request.default_workdir is not None:
             self.default_workdir = os.path.normpath(request.default_workdir)
+        try:
+            self._keep()
+        except OSError as e:
+            # Served as configured; only a restart after a crash would lose it.
+            logger.warning("could not keep the configuration in %s: %s", self.state_file, e)
         if self.manage_system:
             if request.timestamp is not None:
                 sync_clock(request.timestamp)
