@@ -32,6 +32,11 @@ MAX_TOKEN_LENGTH = 256
 # Largest JSON body of a control-plane request (template file uploads and sandbox
 # traffic are not bound by it): env vars and metadata at their limits fit several times.
 MAX_REQUEST_BODY_BYTES = 1024 * 1024
+# Network options of a create or PUT /sandboxes/{id}/network: each allowOut / denyOut
+# entry is a firewall or egress-filter rule (a host name is at most 253 characters).
+MAX_EGRESS_ENTRIES = 256
+MAX_EGRESS_ENTRY_LENGTH = 256
+MAX_DNS_SERVERS = 8
 # Most items one page of a listing (``GET /v2/sandboxes``, ``GET /snapshots``) may hold.
 MAX_PAGE_SIZE = 1000
 # Sandbox metadata (POST /sandboxes, /v2/sandboxes; forks inherit it): it is stored with

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from agentenv.api.app import create_app
 from agentenv.limits import (
+    MAX_EGRESS_ENTRIES,
     MAX_ENV_VAR_VALUE_LENGTH,
     MAX_METADATA_VALUE_LENGTH,
     MAX_REQUEST_BODY_BYTES,
@@ -215,6 +216,31 @@ async def test_a_chunked_body_is_bound_as_it_is_read(
     )
     assert "content-length" not in response.request.headers
     error_of(response, 413)
+
+
+@pytest.mark.parametrize(
+    ("network", "field"),
+    [
+        (
+            {"allowOut": [f"10.0.{i // 256}.{i % 256}" for i in range(MAX_EGRESS_ENTRIES + 1)]},
+            "allowOut",
+        ),
+        ({"denyOut": ["a" * 300 + ".example"]}, "denyOut"),
+        ({"dnsServers": [f"10.0.0.{i}" for i in range(1, 11)]}, "dnsServers"),
+        ({"maskRequestHost": "h" * 300}, "maskRequestHost"),
+    ],
+)
+async def test_network_options_out_of_limits_are_a_400(
+    api: httpx.AsyncClient, node: Node, network: dict[str, Any], field: str
+) -> None:
+    watch = NoWork(node)
+    body = {"templateID": FAKE_TEMPLATE, "network": network}
+    assert field in error_of(await api.post("/v2/sandboxes", json=body), 400)
+    watch.check()
+    if field != "maskRequestHost":
+        sandbox_id = (await _create(api))["sandboxID"]
+        put = await api.put(f"/sandboxes/{sandbox_id}/network", json=network)
+        assert field in error_of(put, 400)
 
 
 # -- upload tokens ---------------------------------------------------------------------------

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 import unicodedata
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from agentenv.limits import (
+    MAX_DNS_SERVERS,
+    MAX_EGRESS_ENTRIES,
+    MAX_EGRESS_ENTRY_LENGTH,
     MAX_ENV_VAR_NAME_LENGTH,
     MAX_ENV_VAR_VALUE_LENGTH,
     MAX_ENV_VARS,
@@ -33,6 +36,13 @@ _METADATA_KEY = re.compile(r"[\w.:/@+-]+")
 _ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Multi-line values (certificates, keys) are ordinary in environment variables.
 _ENV_VALUE_CONTROLS_ALLOWED = frozenset("\t\n\r")
+
+
+# An allowOut / denyOut / dnsServers entry: an address, a network or a host name.
+_EgressEntry = Annotated[str, StringConstraints(min_length=1, max_length=MAX_EGRESS_ENTRY_LENGTH)]
+# Each entry is a rule in the sandbox's firewall or the host's egress filter.
+_EgressList = Annotated[list[_EgressEntry], Field(max_length=MAX_EGRESS_ENTRIES)]
+_DnsList = Annotated[list[_EgressEntry], Field(max_length=MAX_DNS_SERVERS)]
 
 
 def _shown(text: str) -> str:
@@ -167,10 +177,12 @@ class NetworkConfig(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
-    allow_out: list[str] | None = Field(default=None, alias="allowOut")
-    deny_out: list[str] | None = Field(default=None, alias="denyOut")
-    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
-    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    allow_out: _EgressList | None = Field(default=None, alias="allowOut")
+    deny_out: _EgressList | None = Field(default=None, alias="denyOut")
+    dns_servers: _DnsList | None = Field(default=None, alias="dnsServers")
+    mask_request_host: str | None = Field(
+        default=None, alias="maskRequestHost", max_length=MAX_EGRESS_ENTRY_LENGTH
+    )
     egress_proxy: Any = Field(default=None, alias="egressProxy")
     https_ports: list[int] | None = Field(default=None, alias="httpsPorts")
     rules: Any = None
@@ -182,9 +194,9 @@ class NetworkUpdate(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    allow_out: list[str] | None = Field(default=None, alias="allowOut")
-    deny_out: list[str] | None = Field(default=None, alias="denyOut")
-    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    allow_out: _EgressList | None = Field(default=None, alias="allowOut")
+    deny_out: _EgressList | None = Field(default=None, alias="denyOut")
+    dns_servers: _DnsList | None = Field(default=None, alias="dnsServers")
     egress_proxy: Any = Field(default=None, alias="egressProxy")
     rules: Any = None
     allow_internet_access: bool | None = None
