@@ -305,6 +305,10 @@ async def test_next_token_of_the_server_pages_on(api: httpx.AsyncClient) -> None
     rest = await api.get("/v2/sandboxes", params={"limit": 1, "nextToken": token})
     assert [s["sandboxID"] for s in rest.json()] == [second]
     assert "X-Next-Token" not in rest.headers
+    # Pasted into a URL unencoded, its "+" arrives as a space: still the same token.
+    assert "+" in token
+    pasted = await api.get(f"/v2/sandboxes?limit=1&nextToken={token}")
+    assert [s["sandboxID"] for s in pasted.json()] == [second]
 
 
 # -- template names --------------------------------------------------------------------------

@@ -31,6 +31,9 @@ def page(
     A token this server cannot have given is a 400: ignoring it would answer the first
     page, and a client would loop over it."""
     if next_token is not None:
+        # A token pasted into a URL unencoded has its "+" (the time's offset) read as a
+        # space; tokens hold no spaces, so it is taken back.
+        next_token = next_token.replace(" ", "+")
         check_token(next_token)
         items = [item for item in items if key(item) > next_token]
     if limit is not None and len(items) > limit:
