@@ -371,6 +371,8 @@ async def test_errors_outside_the_routes_are_json(api: httpx.AsyncClient) -> Non
         headers={"Content-Type": "application/json", "Content-Length": str(10 << 20)},
     )
     error_of(too_big, 413)
+    headers = {f"X-Filler-{i}": "f" * 1000 for i in range(80)}
+    error_of(await api.get("/sandboxes", headers=headers), 431)
     malformed = await api.post(
         "/v2/sandboxes", content=b"{not json", headers={"Content-Type": "application/json"}
     )
@@ -384,7 +386,8 @@ async def test_openapi_lists_every_status_and_the_limits(api: httpx.AsyncClient)
         for method, operation in item.items():
             statuses = set(operation["responses"])
             assert "422" not in statuses, (method, path)
-            assert {"400", "404", "413", "500", "502", "503", "507"} <= statuses, (method, path)
+            documented = {"400", "404", "413", "431", "500", "502", "503", "507"}
+            assert documented <= statuses, (method, path)
     upload = doc["paths"]["/templates/{template_id}/files/{files_hash}/upload"]["put"]
     assert "403" in upload["responses"]
     new = doc["components"]["schemas"]["NewSandbox"]["properties"]

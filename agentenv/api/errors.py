@@ -47,6 +47,7 @@ _DESCRIPTIONS = {
     404: "No such sandbox, snapshot, template or route",
     409: "Conflict with the current state (already paused, name taken, ...)",
     413: "Request body too large",
+    431: "Request headers too large",
     500: "Internal error",
     502: "The sandbox's guest did not answer",
     503: "Repository or capacity unavailable; retry later",
@@ -60,7 +61,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # What any route may answer (403 only the upload route, which adds it).
-ERROR_RESPONSES = error_responses(400, 401, 404, 409, 413, 500, 502, 503, 507)
+ERROR_RESPONSES = error_responses(400, 401, 404, 409, 413, 431, 500, 502, 503, 507)
 
 
 def http_status(exc: BaseException) -> int:
