@@ -62,7 +62,7 @@ def fuzzed_server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]
 
 
 def test_schemathesis_finds_no_server_error_or_undocumented_answer(
-    fuzzed_server: ServerProcess, schemathesis_cli: Path
+    fuzzed_server: ServerProcess, schemathesis_cli: Path, tmp_path: Path
 ) -> None:
     run = subprocess.run(
         [
@@ -85,6 +85,8 @@ def test_schemathesis_finds_no_server_error_or_undocumented_answer(
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
+        # Schemathesis keeps a cache (.schemathesis/) in its working directory.
+        cwd=tmp_path,
     )
     report = run.stdout + run.stderr
     assert run.returncode == 0, report[-6000:]
