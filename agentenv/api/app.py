@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import Depends, FastAPI, Header, Query, Response
 
 from agentenv import __version__
-from agentenv.api.errors import http_status
+from agentenv.api.body_limit import BodyLimitMiddleware
+from agentenv.api.errors import (
+    ERROR_RESPONSES,
+    ApiError,
+    http_status,
+    install_error_handlers,
+)
 from agentenv.api.models import (
     ConnectRequest,
     ErrorBody,
@@ -44,12 +48,20 @@ from agentenv.api.models import (
     TimeoutRequest,
 )
 from agentenv.api.network import create_options, network_info, updated_egress
-from agentenv.api.templates import template_routes
-from agentenv.limits import MAX_PAGE_SIZE
+from agentenv.api.paging import page, sandbox_key, snapshot_key
+from agentenv.api.params import NextToken, SandboxId, TemplateRef
+from agentenv.api.templates import UPLOAD_PATH, template_routes
+from agentenv.limits import (
+    ID_PATTERN,
+    MAX_ID_LENGTH,
+    MAX_METADATA_BYTES,
+    MAX_PAGE_SIZE,
+    MAX_REQUEST_BODY_BYTES,
+    MAX_SNAPSHOT_NAME_LENGTH,
+)
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
-    OrchestratorError,
     SandboxNotFound,
     SnapshotNotFound,
 )
@@ -59,21 +71,6 @@ from agentenv.orchestrator.views import SandboxView, SnapshotView
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
 log = logging.getLogger("agentenv.api")
-
-ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500, 503)
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
 def create_app(
@@ -102,33 +99,15 @@ def create_app(
     )
     proxy = SandboxProxy(orchestrator)
     app.state.orchestrator = orchestrator
+    app.state.builds = builds
 
-    # -- errors: always JSON {code, message} ---------------------------------------------
-    @app.exception_handler(OrchestratorError)
-    async def _orchestrator_error(_: Request, exc: OrchestratorError) -> JSONResponse:
-        return error_response(http_status(exc), str(exc))
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-        return error_response(400, "; ".join(problems) or "invalid request")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
-
+    install_error_handlers(app)
+    # Bodies of control-plane requests are bound; template uploads stream archives and
+    # are not. Added first, so it runs inside the proxy's middleware: sandbox traffic
+    # (envd file uploads) never reaches it.
+    app.add_middleware(
+        BodyLimitMiddleware, limit=MAX_REQUEST_BODY_BYTES, exempt=re.compile(UPLOAD_PATH)
+    )
     # Sandbox traffic goes to the proxy before routing and authentication.
     app.add_middleware(SandboxTrafficMiddleware, proxy=proxy)
 
@@ -308,10 +287,10 @@ def create_app(
     )
     async def list_sandboxes_v2(
         response: Response,
-        metadata: str | None = None,
-        state: str | None = None,
+        metadata: Annotated[str | None, Query(max_length=3 * MAX_METADATA_BYTES)] = None,
+        state: Annotated[str | None, Query(max_length=64)] = None,
         limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
-        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+        next_token: NextToken = None,
     ) -> list[SandboxDetail]:
         views = orchestrator.list_sandboxes()
         if state:
@@ -332,8 +311,7 @@ def create_app(
                 if all(v.record.metadata.get(k) == val for k, val in wanted_meta.items())
             ]
         views.sort(key=lambda v: (v.record.started_at, v.sandbox_id))
-        page = _page(views, _page_key, next_token, limit, response)
-        return [detail_body(v) for v in page]
+        return [detail_body(v) for v in page(views, sandbox_key, next_token, limit, response)]
 
     @app.get(
         "/sandboxes/{sandbox_id}",
@@ -345,11 +323,11 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def get_sandbox(sandbox_id: str) -> SandboxDetail:
+    async def get_sandbox(sandbox_id: SandboxId) -> SandboxDetail:
         return detail_body(orchestrator.get(sandbox_id))
 
     @app.delete("/sandboxes/{sandbox_id}", status_code=204, dependencies=authed, tags=["sandboxes"])
-    async def kill_sandbox(sandbox_id: str) -> Response:
+    async def kill_sandbox(sandbox_id: SandboxId) -> Response:
         await orchestrator.kill(sandbox_id)
         return Response(status_code=204)
 
@@ -359,7 +337,7 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def set_timeout(sandbox_id: str, body: TimeoutRequest) -> Response:
+    async def set_timeout(sandbox_id: SandboxId, body: TimeoutRequest) -> Response:
         await orchestrator.set_timeout(sandbox_id, body.timeout)
         return Response(status_code=204)
 
@@ -369,7 +347,7 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def update_network(sandbox_id: str, body: NetworkUpdate) -> Response:
+    async def update_network(sandbox_id: SandboxId, body: NetworkUpdate) -> Response:
         """Replace a running sandbox's egress rules (e2b's ``Sandbox.update_network``);
         what the body leaves out is cleared. 409 while the sandbox is paused."""
         await orchestrator.update_network(sandbox_id, updated_egress(body))
@@ -381,7 +359,7 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def refresh(sandbox_id: str, body: RefreshRequest | None = None) -> Response:
+    async def refresh(sandbox_id: SandboxId, body: RefreshRequest | None = None) -> Response:
         duration = body.duration if body and body.duration else orchestrator.config.default_timeout
         await orchestrator.set_timeout(sandbox_id, duration, only_extend=True)
         return Response(status_code=204)
@@ -393,7 +371,7 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def sandbox_metrics(sandbox_id: str) -> list[SandboxMetric]:
+    async def sandbox_metrics(sandbox_id: SandboxId) -> list[SandboxMetric]:
         view = orchestrator.get(sandbox_id)
         data = await orchestrator.guest_metrics(sandbox_id)
         if data is None:
@@ -454,14 +432,14 @@ def create_app(
     @app.post("/sandboxes/{sandbox_id}/connect", **connect_route)  # SDK 2.6-2.50
     @app.post("/v2/sandboxes/{sandbox_id}/connect", **connect_route)
     async def connect(
-        sandbox_id: str, response: Response, body: ConnectRequest | None = None
+        sandbox_id: SandboxId, response: Response, body: ConnectRequest | None = None
     ) -> Sandbox:
         return await _connect(sandbox_id, body, response)
 
     @app.post(
         "/sandboxes/{sandbox_id}/pause", status_code=204, dependencies=authed, tags=["sandboxes"]
     )
-    async def pause_sandbox(sandbox_id: str, body: PauseRequest | None = None) -> Response:
+    async def pause_sandbox(sandbox_id: SandboxId, body: PauseRequest | None = None) -> Response:
         # `memory: false` keeps the disk only; the guest boots from it on resume.
         await orchestrator.pause(sandbox_id, memory=body is None or body.memory)
         return Response(status_code=204)
@@ -474,7 +452,7 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def resume_sandbox(sandbox_id: str, body: ConnectRequest | None = None) -> Sandbox:
+    async def resume_sandbox(sandbox_id: SandboxId, body: ConnectRequest | None = None) -> Sandbox:
         """The pre-2.6 SDKs' resume: 409 when the sandbox is already running."""
         timeout = body.timeout if body and body.timeout is not None else None
         return sandbox_body(await orchestrator.resume(sandbox_id, timeout))
@@ -488,7 +466,9 @@ def create_app(
         dependencies=authed,
         tags=["snapshots"],
     )
-    async def create_snapshot(sandbox_id: str, body: SnapshotRequest | None = None) -> SnapshotInfo:
+    async def create_snapshot(
+        sandbox_id: SandboxId, body: SnapshotRequest | None = None
+    ) -> SnapshotInfo:
         """Snapshot a running sandbox, which keeps running. The snapshot's id or name is
         accepted wherever a template is."""
         if body is not None and body.memory is False:
@@ -505,16 +485,17 @@ def create_app(
     )
     async def list_snapshots(
         response: Response,
-        sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
-        name: str | None = None,
+        sandbox_id: Annotated[
+            str | None, Query(alias="sandboxID", max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
+        ] = None,
+        name: Annotated[str | None, Query(max_length=MAX_SNAPSHOT_NAME_LENGTH)] = None,
         limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
-        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+        next_token: NextToken = None,
     ) -> list[SnapshotInfo]:
         views = await orchestrator.list_snapshots(sandbox_id)
         if name:
             views = [v for v in views if name in v.names]
-        page = _page(views, _snapshot_page_key, next_token, limit, response)
-        return [snapshot_body(v) for v in page]
+        return [snapshot_body(v) for v in page(views, snapshot_key, next_token, limit, response)]
 
     @app.get(
         "/snapshots/{snapshot_id:path}",
@@ -523,20 +504,20 @@ def create_app(
         dependencies=authed,
         tags=["snapshots"],
     )
-    async def get_snapshot(snapshot_id: str) -> SnapshotInfo:
+    async def get_snapshot(snapshot_id: TemplateRef) -> SnapshotInfo:
         return snapshot_body(await orchestrator.get_snapshot(snapshot_id))
 
     @app.delete(
         "/snapshots/{snapshot_id:path}", status_code=204, dependencies=authed, tags=["snapshots"]
     )
-    async def delete_snapshot(snapshot_id: str) -> Response:
+    async def delete_snapshot(snapshot_id: TemplateRef) -> Response:
         await orchestrator.delete_snapshot(snapshot_id)
         return Response(status_code=204)
 
     @app.delete(
         "/templates/{template_id:path}", status_code=204, dependencies=authed, tags=["templates"]
     )
-    async def delete_template(template_id: str) -> Response:
+    async def delete_template(template_id: TemplateRef) -> Response:
         """The SDK deletes snapshots through this route (they are templates to E2B)."""
         if template_id == BASE_TEMPLATE or orchestrator.store.get_template(template_id):
             raise ApiError(409, f"template {template_id!r} is built in and cannot be deleted")
@@ -558,7 +539,9 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def fork_sandbox(sandbox_id: str, body: ForkRequest | None = None) -> list[ForkResult]:
+    async def fork_sandbox(
+        sandbox_id: SandboxId, body: ForkRequest | None = None
+    ) -> list[ForkResult]:
         """Fork a running sandbox into ``count`` children on this node; the parent keeps
         running. One item per child: its sandbox or the error that stopped it."""
         body = body or ForkRequest()
@@ -599,31 +582,3 @@ class IdempotentCreates:
 
 def _failed(task: asyncio.Task[Sandbox]) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
-
-
-V = TypeVar("V")
-
-
-def _page(
-    items: list[V],
-    key: Callable[[V], str],
-    next_token: str | None,
-    limit: int | None,
-    response: Response,
-) -> list[V]:
-    """One page of ``items`` (sorted by ``key``): those after ``next_token``, at most
-    ``limit``, with the token of the next page in ``X-Next-Token`` when there is one."""
-    if next_token:
-        items = [item for item in items if key(item) > next_token]
-    if limit is not None and len(items) > limit:
-        items = items[:limit]
-        response.headers["X-Next-Token"] = key(items[-1])
-    return items
-
-
-def _snapshot_page_key(view: SnapshotView) -> str:
-    return view.record.created_at.isoformat() + "|" + view.snapshot_id
-
-
-def _page_key(view: SandboxView) -> str:
-    return view.record.started_at.isoformat() + "|" + view.sandbox_id

@@ -5,11 +5,14 @@ from __future__ import annotations
 import re
 import unicodedata
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from agentenv.limits import (
+    MAX_DNS_SERVERS,
+    MAX_EGRESS_ENTRIES,
+    MAX_EGRESS_ENTRY_LENGTH,
     MAX_ENV_VAR_NAME_LENGTH,
     MAX_ENV_VAR_VALUE_LENGTH,
     MAX_ENV_VARS,
@@ -21,7 +24,9 @@ from agentenv.limits import (
     MAX_METADATA_VALUE_LENGTH,
     MAX_REFRESH_DURATION_S,
     MAX_SNAPSHOT_NAME_LENGTH,
+    MAX_TEMPLATE_NAME_LENGTH,
     MAX_TEMPLATE_REF_LENGTH,
+    TEMPLATE_REF_PATTERN,
 )
 
 # Metadata keys end up in listings, query filters (``?metadata=k=v``) and logs: word
@@ -31,6 +36,13 @@ _METADATA_KEY = re.compile(r"[\w.:/@+-]+")
 _ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Multi-line values (certificates, keys) are ordinary in environment variables.
 _ENV_VALUE_CONTROLS_ALLOWED = frozenset("\t\n\r")
+
+
+# An allowOut / denyOut / dnsServers entry: an address, a network or a host name.
+_EgressEntry = Annotated[str, StringConstraints(min_length=1, max_length=MAX_EGRESS_ENTRY_LENGTH)]
+# Each entry is a rule in the sandbox's firewall or the host's egress filter.
+_EgressList = Annotated[list[_EgressEntry], Field(max_length=MAX_EGRESS_ENTRIES)]
+_DnsList = Annotated[list[_EgressEntry], Field(max_length=MAX_DNS_SERVERS)]
 
 
 def _shown(text: str) -> str:
@@ -104,6 +116,14 @@ def check_env_vars(env_vars: dict[str, str]) -> dict[str, str]:
     return env_vars
 
 
+# Timeouts are sandbox lifetimes: 0 would end the sandbox at once (E2B's API answers a
+# resume or fork asking for it with 400 "Timeout must be greater than 0"); DELETE kills.
+_LIFETIME = (
+    "seconds until the sandbox times out (killed, or paused with autoPause); at least 1, "
+    "at most the server's AENV_MAX_TIMEOUT"
+)
+
+
 class ErrorBody(BaseModel):
     code: int
     message: str
@@ -116,12 +136,29 @@ class NewSandbox(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    template_id: str = Field(alias="templateID", min_length=1, max_length=MAX_TEMPLATE_REF_LENGTH)
-    timeout: int | None = Field(
-        default=None, ge=0, description="seconds until the sandbox is killed"
+    template_id: str = Field(
+        alias="templateID",
+        min_length=1,
+        max_length=MAX_TEMPLATE_REF_LENGTH,
+        pattern=TEMPLATE_REF_PATTERN,
+        description="a template's or snapshot's id or name",
     )
-    metadata: dict[str, str] = Field(default_factory=dict)
-    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+    timeout: int | None = Field(default=None, ge=1, description=_LIFETIME)
+    metadata: dict[str, str] = Field(
+        default_factory=dict,
+        description=f"at most {MAX_METADATA_ENTRIES} entries; keys of 1 to "
+        f"{MAX_METADATA_KEY_LENGTH} letters, digits and _ . : / @ + -; values of at most "
+        f"{MAX_METADATA_VALUE_LENGTH} characters, no control characters; "
+        f"{MAX_METADATA_BYTES} bytes in all",
+    )
+    env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        alias="envVars",
+        description=f"at most {MAX_ENV_VARS} variables; names of at most "
+        f"{MAX_ENV_VAR_NAME_LENGTH} letters, digits and _ (not starting with a digit); "
+        f"values of at most {MAX_ENV_VAR_VALUE_LENGTH} characters, no control characters "
+        f"but tab and line breaks; {MAX_ENV_VARS_BYTES} bytes in all",
+    )
     secure: bool = False
     auto_pause: bool = Field(default=False, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
@@ -140,10 +177,12 @@ class NetworkConfig(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
-    allow_out: list[str] | None = Field(default=None, alias="allowOut")
-    deny_out: list[str] | None = Field(default=None, alias="denyOut")
-    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
-    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    allow_out: _EgressList | None = Field(default=None, alias="allowOut")
+    deny_out: _EgressList | None = Field(default=None, alias="denyOut")
+    dns_servers: _DnsList | None = Field(default=None, alias="dnsServers")
+    mask_request_host: str | None = Field(
+        default=None, alias="maskRequestHost", max_length=MAX_EGRESS_ENTRY_LENGTH
+    )
     egress_proxy: Any = Field(default=None, alias="egressProxy")
     https_ports: list[int] | None = Field(default=None, alias="httpsPorts")
     rules: Any = None
@@ -155,9 +194,9 @@ class NetworkUpdate(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
-    allow_out: list[str] | None = Field(default=None, alias="allowOut")
-    deny_out: list[str] | None = Field(default=None, alias="denyOut")
-    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    allow_out: _EgressList | None = Field(default=None, alias="allowOut")
+    deny_out: _EgressList | None = Field(default=None, alias="denyOut")
+    dns_servers: _DnsList | None = Field(default=None, alias="dnsServers")
     egress_proxy: Any = Field(default=None, alias="egressProxy")
     rules: Any = None
     allow_internet_access: bool | None = None
@@ -257,7 +296,7 @@ class Lifecycle(BaseModel):
 
 
 class TimeoutRequest(BaseModel):
-    timeout: int = Field(ge=0, description="seconds from now until the sandbox is killed")
+    timeout: int = Field(ge=1, description=_LIFETIME + ", from now")
 
 
 class RefreshRequest(BaseModel):
@@ -267,7 +306,7 @@ class RefreshRequest(BaseModel):
 class ConnectRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    timeout: int | None = Field(default=None, ge=0)
+    timeout: int | None = Field(default=None, ge=1, description=_LIFETIME)
 
 
 class PauseRequest(BaseModel):
@@ -350,7 +389,7 @@ class SnapshotInfo(BaseModel):
 class ForkRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    timeout: int | None = Field(default=None, ge=0)
+    timeout: int | None = Field(default=None, ge=1, description=_LIFETIME)
     count: int = Field(default=1, ge=1, le=MAX_FORK_CHILDREN)
 
 
@@ -362,16 +401,32 @@ class ForkResult(BaseModel):
 
 
 # -- templates (E2B's build API) ------------------------------------------------------------
+# A template name: a reference (TEMPLATE_REF_PATTERN) without whitespace.
+_TEMPLATE_NAME_PATTERN = r"^[^/\s\x00-\x1f\x7f][^\s\x00-\x1f\x7f]*$"
+
+
 class TemplateBuildRequest(BaseModel):
     """``POST /v3/templates``."""
 
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
-    name: str | None = None
-    alias: str | None = None
-    tags: list[str] | None = None
-    cpu_count: int | None = Field(default=None, alias="cpuCount")
-    memory_mb: int | None = Field(default=None, alias="memoryMB")
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TEMPLATE_NAME_LENGTH,
+        pattern=_TEMPLATE_NAME_PATTERN,
+        description="the template's name; a template's name builds it again",
+    )
+    alias: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TEMPLATE_NAME_LENGTH,
+        pattern=_TEMPLATE_NAME_PATTERN,
+        description="the name, as older SDKs send it",
+    )
+    tags: list[str] | None = Field(default=None, max_length=16)
+    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=64)
+    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
 
 
 class TemplateRequestResponse(BaseModel):

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.params import Depends
 
+from agentenv.api.errors import ApiError, error_responses
 from agentenv.api.models import (
     BuildLogEntry,
     BuildStatusReason,
@@ -29,10 +30,12 @@ from agentenv.api.models import (
     TemplateInfo,
     TemplateRequestResponse,
 )
-from agentenv.limits import MAX_PAGE_SIZE
+from agentenv.api.params import BuildRecordId, FilesHash, TemplateRef
+from agentenv.limits import MAX_PAGE_SIZE, MAX_TOKEN_LENGTH
 from agentenv.orchestrator.build_plan import PlanError, parse_build
 from agentenv.orchestrator.builds import Build, BuildManager
 from agentenv.orchestrator.errors import (
+    Conflict,
     InvalidRequest,
     SnapshotNotFound,
     TemplateAliasNotFound,
@@ -42,6 +45,9 @@ from agentenv.orchestrator.templates import BASE_TEMPLATE
 from agentenv.orchestrator.views import SnapshotView
 
 LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
+# Where the SDK uploads a COPY step's files: with an upload token instead of the API key,
+# and a body as large as the archive (not bound like other requests').
+UPLOAD_PATH = r"^/templates/[^/]+/files/[^/]+/upload$"
 
 
 def template_routes(
@@ -68,6 +74,14 @@ def template_routes(
             raise InvalidRequest("name is required")
         if ":" in name:
             raise InvalidRequest("name:tag is not supported; give a plain name")
+        # As in E2B, a template's name builds it again (the new build takes the name when
+        # it is ready); a snapshot's name is not a template's to take.
+        try:
+            await orchestrator.get_snapshot(name)
+        except SnapshotNotFound:
+            pass
+        else:
+            raise Conflict(f"the name {name!r} is a snapshot's; a template needs another")
         build = builds.register(name, body.cpu_count, body.memory_mb)
         return TemplateRequestResponse(
             templateID=build.template_id,
@@ -84,7 +98,7 @@ def template_routes(
         dependencies=list(authed),
     )
     async def file_upload_link(
-        template_id: str, files_hash: str, request: Request
+        template_id: BuildRecordId, files_hash: FilesHash, request: Request
     ) -> TemplateFileUpload:
         builds.get(template_id)
         path = builds.upload_path(files_hash)
@@ -94,12 +108,24 @@ def template_routes(
         token = upload_token(template_id, files_hash)
         return TemplateFileUpload(present=False, url=f"{url}?token={token}")
 
-    @router.put("/templates/{template_id}/files/{files_hash}/upload", name="upload_files")
+    @router.put(
+        "/templates/{template_id}/files/{files_hash}/upload",
+        name="upload_files",
+        responses={
+            200: {"description": "Uploaded (or already there)"},
+            **error_responses(403),
+        },
+    )
     async def upload_files(
-        template_id: str, files_hash: str, request: Request, token: str = ""
+        template_id: BuildRecordId,
+        files_hash: FilesHash,
+        request: Request,
+        token: Annotated[str, Query(max_length=MAX_TOKEN_LENGTH)] = "",
     ) -> Response:
-        if not hmac.compare_digest(token, upload_token(template_id, files_hash)):
-            return Response(status_code=403, content="bad upload token")
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters.
+        expected = upload_token(template_id, files_hash).encode()
+        if not hmac.compare_digest(token.encode(), expected):
+            raise ApiError(403, "bad upload token")
         path = builds.upload_path(files_hash)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(request)}.part")
@@ -124,7 +150,9 @@ def template_routes(
         status_code=202,
         dependencies=list(authed),
     )
-    async def start_build(template_id: str, build_id: str, request: Request) -> Response:
+    async def start_build(
+        template_id: BuildRecordId, build_id: BuildRecordId, request: Request
+    ) -> Response:
         build = builds.get(template_id, build_id)
         try:
             body: Any = await request.json()
@@ -147,11 +175,11 @@ def template_routes(
         dependencies=list(authed),
     )
     async def build_status(
-        template_id: str,
-        build_id: str,
+        template_id: BuildRecordId,
+        build_id: BuildRecordId,
         logs_offset: Annotated[int, Query(alias="logsOffset", ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = 100,
-        level: str | None = None,
+        level: Annotated[str | None, Query(pattern="^(debug|info|warn|error)$")] = None,
     ) -> TemplateBuildInfo:
         """Log entries from ``logsOffset`` on, at most ``limit``: the SDK polls until a
         finished build returns none."""
@@ -228,9 +256,7 @@ def template_routes(
         response_model_by_alias=True,
         dependencies=list(authed),
     )
-    async def resolve_alias(alias: str) -> TemplateAliasResponse:
-        if not alias or len(alias) > 200:
-            raise InvalidRequest(f"bad alias {alias!r}")
+    async def resolve_alias(alias: TemplateRef) -> TemplateAliasResponse:
         if alias == BASE_TEMPLATE:
             return TemplateAliasResponse(templateID=BASE_TEMPLATE)
         try:
@@ -246,7 +272,7 @@ def template_routes(
         response_model_exclude_none=True,
         dependencies=list(authed),
     )
-    async def get_template(template_id: str) -> TemplateInfo:
+    async def get_template(template_id: TemplateRef) -> TemplateInfo:
         for info in await template_infos():
             if info.template_id == template_id or template_id in info.names:
                 summary = TemplateBuildSummary(

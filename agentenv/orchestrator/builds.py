@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -61,6 +61,10 @@ BUILD_SANDBOX_TIMEOUT_S = 3 * 3600
 SDK_DEFAULT_IMAGES = ("e2bdev/base", "e2bdev/base:latest")
 # The account E2B's sandboxes run commands as by default.
 DEFAULT_USER = "user"
+# How long a registered build that was never started keeps its name from another (the
+# SDK starts a build right after registering it; a client that died in between must not
+# hold the name until the server restarts).
+UNSTARTED_BUILD_HOLD = timedelta(minutes=10)
 
 
 @dataclass
@@ -166,10 +170,28 @@ class BuildManager:
         memory = memory_mb or self.config.memory_mib
         if not 1 <= cpus <= 64 or not 128 <= memory <= 65536:
             raise InvalidRequest("cpuCount must be 1-64 and memoryMB 128-65536")
+        self._check_name_free(name)
         template_id = str(uuid.uuid4())
         build = Build(template_id, template_id, name, cpus, memory)
         self._builds[template_id] = build
         return build
+
+    def _check_name_free(self, name: str, starting: Build | None = None) -> None:
+        """Refuse a second build of template ``name`` while one runs (or, registered,
+        is about to): both would commit under the name, the last one winning."""
+        now = utcnow()
+        for other in self._builds.values():
+            if other is starting or other.name != name:
+                continue
+            if other.status == "building" or (
+                other.status == "waiting"
+                and starting is None
+                and now - other.created_at < UNSTARTED_BUILD_HOLD
+            ):
+                raise Conflict(
+                    f"template {name!r} is already being built (build {other.build_id}); "
+                    "build it again when that build has finished"
+                )
 
     def get(self, template_id: str, build_id: str | None = None) -> Build:
         build = self._builds.get(template_id)
@@ -191,6 +213,7 @@ class BuildManager:
                 await self._check_upload(step)
         if build.status != "waiting":  # started meanwhile, by a request that did not wait
             raise Conflict(f"build {build.build_id} was already started")
+        self._check_name_free(build.name, starting=build)
         build.status = "building"
         build.log(f"build {build.build_id} of template {build.name!r} started")
         build.task = asyncio.get_running_loop().create_task(self._run(build, plan))

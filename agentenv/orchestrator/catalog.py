@@ -255,4 +255,6 @@ def _claim_name(sandbox_id: str, generation: int) -> str:
 
 
 def _is_id(key: str) -> bool:
-    return bool(key) and all(c.isalnum() or c in "._:-" for c in key)
+    # ASCII only, as the repository's record ids: "é" is a letter to str.isalnum, and
+    # looking it up as an id made the repository refuse it with a ValueError (a 500).
+    return bool(key) and all((c.isascii() and c.isalnum()) or c in "._:-" for c in key)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from agentenv.limits import MAX_TEMPLATE_REF_LENGTH
 from agentenv.snapshots import blobs
 from agentenv.snapshots.leases import CollectionLock, CommitLease
 from agentenv.snapshots.objects import ObjectNotFound, ObjectStore, RepositoryError
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
 _KIND_RE = re.compile(r"[A-Za-z0-9_-]+")
 _NAMES = "names"
-_MAX_NAME = 200
+# The API refuses longer names (agentenv.limits), so what it accepts can be stored.
+_MAX_NAME = MAX_TEMPLATE_REF_LENGTH
 # Longer quoted names would overflow file name (255) and S3 key (1024) limits; they are
 # stored under their hash instead. quote() always escapes "+", so no quoted name can
 # look like a hashed one.
