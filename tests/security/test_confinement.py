@@ -121,7 +121,7 @@ def test_startup_check_names_what_is_missing(
 ) -> None:
     monkeypatch.setenv("AENV_LAUNCHER", str(tmp_path / "absent"))  # not built
     config = Config.load(env={}, home=tmp_path / "home")
-    with pytest.raises(NodeSetupError, match="agentenv-launch .*not found") as refused:
+    with pytest.raises(NodeSetupError, match=r"agentenv-launch .*not found") as refused:
         vmm_confinement(config)
     assert "confine_vmm = false" in str(refused.value)
     assert vmm_confinement(config.with_overrides(confine_vmm=False)) is None
