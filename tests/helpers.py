@@ -51,6 +51,8 @@ class ServerProcess:
     api_key: str = TEST_API_KEY
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    #: The checkout whose code the server runs (benchmarks compare two).
+    root: Path = ROOT
 
     @property
     def url(self) -> str:
@@ -78,7 +80,7 @@ class ServerProcess:
             env=self.env(),
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=self.root,
         )
         deadline = time.monotonic() + wait_template
         while time.monotonic() < deadline:
