@@ -48,7 +48,8 @@ from agentenv.vmm.base import (
 from agentenv.vmm.cgroups import VmmCgroups
 from agentenv.vmm.confine import Confinement, VmmJail
 from agentenv.vmm.process import read_cmdline
-from agentenv.vmm.qemu import QemuDriver, QemuVM
+from agentenv.vmm.qemu import QemuDriver
+from agentenv.vmm.qemu_vm import QemuVM
 
 # -- accelerator probe (pure logic over a fake root) -------------------------------------
 

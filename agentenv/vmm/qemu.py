@@ -21,66 +21,59 @@ own cgroup and jail (see :mod:`agentenv.vmm.confine`), under QEMU's seccomp filt
 byte bound by cutting its oldest part (``FALLOC_FL_COLLAPSE_RANGE``), so a guest
 flooding its serial port cannot fill the host's disk, and the file the server reads on a
 failed boot stays where it was.
+
+This module starts, restores and re-adopts QEMU; the handle on a running one, and the
+QMP plumbing both use, are in :mod:`agentenv.vmm.qemu_vm`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import re
-import secrets
-import shutil
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
+from qemu.qmp import ConnectError, QMPClient
 
 from agentenv.vmm.base import (
-    DriveSpec,
     MachineSpec,
     SnapshotFiles,
     SnapshotIncompatible,
-    VirtualMachine,
     VMMCommandError,
     VMMDriver,
     VMMError,
-    VMMExit,
     VMMGone,
     VMMStartError,
     VMRunState,
-    VMStats,
 )
 from agentenv.vmm.confine import Confinement, ConfinementError, VmmJail
-from agentenv.vmm.console import CONSOLE_LIMIT_BYTES, bound_console
+from agentenv.vmm.console import CONSOLE_LIMIT_BYTES
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, launched_cmdline
-
-CONSOLE_LOG = "console.log"
-PROCESS_LOG = "qemu.log"
-QMP_SOCKET = "qmp.sock"
-PID_FILE = "qemu.pid"
-VM_RECORD = "vm.json"
-STATE_FILE = "state.mig"
-
-MACHINE_TYPE = "microvm"
-# Effectively unthrottled: the default migration bandwidth cap slows a local save to a
-# crawl (reference §9.5).
-_MIGRATE_MAX_BANDWIDTH = 100 * 1024**3
-_MIGRATE_DOWNTIME_LIMIT_MS = 100_000
+from agentenv.vmm.qemu_vm import (
+    CONSOLE_LOG,
+    DRIVER_NAME,
+    MACHINE_TYPE,
+    PID_FILE,
+    PROCESS_LOG,
+    SHORT_SOCKET_DIR,
+    VM_RECORD,
+    QemuLaunch,
+    QemuVM,
+    await_migration,
+    execute_qmp,
+    logs_tail,
+    pass_fd,
+    qmp_socket_path,
+)
 
 _QEMU_ID = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
-
-_LOG_TAIL_BYTES = 3000
-# What an unexpected exit logs of each file: the last lines say why, without flooding
-# the server's log.
-_EXIT_LOG_TAIL_BYTES = 1200
 
 #: QEMU's seccomp filter for confined VMMs.
 SANDBOX_OPTION = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
@@ -89,56 +82,6 @@ SANDBOX_OPTION = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecon
 def _opt_path(path: Path) -> str:
     """A path as a QEMU option value (commas are the option separator; ``,,`` escapes)."""
     return str(path).replace(",", ",,")
-
-
-def _tail(path: Path, limit: int = _LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - limit))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _logs_tail(workdir: Path, limit: int = _LOG_TAIL_BYTES) -> str:
-    parts = []
-    for name in (PROCESS_LOG, CONSOLE_LOG):
-        text = _tail(workdir / name, limit).strip()
-        if text:
-            parts.append(f"--- {name} (tail) ---\n{text}")
-    return "\n".join(parts) if parts else "(no output)"
-
-
-# sun_path holds 108 bytes including the terminating NUL.
-_MAX_SOCKET_PATH = 107
-SHORT_SOCKET_DIR = Path("/run/agentenv")
-
-
-def qmp_socket_path(workdir: Path, *, own_directory: bool = False) -> Path:
-    """Where a VM's QMP socket lives: in its work directory, unless that path is too long
-    for a Unix socket; then under /run with a name derived from the work directory (so
-    :meth:`QemuDriver.attach` finds it again). With ``own_directory`` (a confined VMM,
-    which cannot create files in the root-only /run directory) that is a directory of its
-    own there, holding the socket."""
-    path = workdir / QMP_SOCKET
-    if len(str(path).encode()) <= _MAX_SOCKET_PATH:
-        return path
-    SHORT_SOCKET_DIR.mkdir(mode=0o700, exist_ok=True)
-    digest = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:24]
-    if own_directory:
-        return SHORT_SOCKET_DIR / f"qmp-{digest}" / QMP_SOCKET
-    return SHORT_SOCKET_DIR / f"qmp-{digest}.sock"
-
-
-def _remove_socket(socket_path: Path) -> None:
-    """Remove a QMP socket kept outside the work directory (the work directory goes with
-    the sandbox; a socket outside it must too)."""
-    if socket_path.parent == SHORT_SOCKET_DIR:
-        socket_path.unlink(missing_ok=True)
-    elif socket_path.parent.parent == SHORT_SOCKET_DIR:
-        shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 
 def _check_spec(spec: MachineSpec) -> None:
@@ -186,362 +129,10 @@ def _prepare_workdir(spec: MachineSpec, workdir: Path) -> None:
             path.unlink()
 
 
-@dataclass(frozen=True)
-class _Launch:
-    """What :meth:`QemuDriver._launch` hands back: a started process with QMP up."""
-
-    process: VMMProcess
-    qmp: Any  # qemu.qmp.QMPClient (untyped library)
-    socket_path: Path
-    jail: VmmJail | None = None
-
-
-class QemuVM(VirtualMachine):
-    """A handle on one QEMU process."""
-
-    def __init__(
-        self,
-        *,
-        spec: MachineSpec,
-        workdir: Path,
-        process: VMMProcess,
-        qmp: Any,
-        state: VMRunState,
-        command_timeout: float,
-        migration_timeout: float,
-        socket_path: Path,
-        jail: VmmJail | None = None,
-        console_limit: int | None = None,
-    ) -> None:
-        self.spec = spec
-        self.workdir = workdir
-        self._process = process
-        self._qmp = qmp
-        self._state = state
-        self._command_timeout = command_timeout
-        self._migration_timeout = migration_timeout
-        self._socket_path = socket_path
-        self._jail = jail
-        self._closed = False
-        self._console_task: asyncio.Task[None] | None = None
-        if console_limit is not None:
-            self._console_task = asyncio.get_running_loop().create_task(
-                bound_console(workdir / CONSOLE_LOG, console_limit)
-            )
-
-    def __repr__(self) -> str:
-        return f"<QemuVM pid={self.pid} state={self.state} workdir={self.workdir}>"
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    @property
-    def state(self) -> VMRunState:
-        if not self._process.alive():
-            return VMRunState.STOPPED
-        return self._state
-
-    @property
-    def console_log(self) -> Path:
-        return self.workdir / CONSOLE_LOG
-
-    # -- control -------------------------------------------------------------------------
-
-    async def execute(self, command: str, arguments: Mapping[str, object] | None = None) -> Any:
-        """Run one QMP command, translating failures into :class:`VMMError` subclasses."""
-        return await _execute(self._qmp, self._process, command, arguments, self._command_timeout)
-
-    async def pause(self) -> None:
-        await self.execute("stop")
-        self._state = VMRunState.PAUSED
-
-    async def resume(self) -> None:
-        await self.execute("cont")
-        self._state = VMRunState.RUNNING
-
-    async def save_state(self, dest: Path) -> SnapshotFiles:
-        """Write ``dest/state.mig``; the VM is left paused.
-
-        With shared RAM the snapshot is ``state.mig`` plus :attr:`MachineSpec.memory_file`,
-        which is still this VM's live RAM: copy (or reflink) it before resuming if the
-        snapshot must outlive the VM's next run. With private RAM, the RAM is streamed
-        into ``state.mig`` and ``memory_file`` is None.
-        """
-        if not self._process.alive():
-            raise VMMGone(f"QEMU process {self.pid} has exited")
-        final, partial = _state_paths(dest)
-        was_running = self._state is VMRunState.RUNNING
-        ram_in_file = self.spec.memory_shared
-        try:
-            version = await self.execute("query-version")
-            await self.execute(
-                "migrate-set-capabilities",
-                {"capabilities": [{"capability": "x-ignore-shared", "state": ram_in_file}]},
-            )
-            await self.execute(
-                "migrate-set-parameters",
-                {
-                    "max-bandwidth": _MIGRATE_MAX_BANDWIDTH,
-                    "downtime-limit": _MIGRATE_DOWNTIME_LIMIT_MS,
-                },
-            )
-            if was_running:
-                await self.pause()
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                await _pass_fd(self._qmp, self._process, fd, "agentenv-save", self._command_timeout)
-            finally:
-                os.close(fd)
-            await self.execute("migrate", {"uri": "fd:agentenv-save"})
-            await _await_migration(
-                self._qmp, self._process, self._migration_timeout, self._command_timeout
-            )
-            os.replace(partial, final)
-        except BaseException as exc:
-            with contextlib.suppress(FileNotFoundError):
-                partial.unlink()
-            if self._process.alive():
-                with contextlib.suppress(VMMError):
-                    await self.execute("migrate_cancel")
-                if was_running:
-                    with contextlib.suppress(VMMError):
-                        await self.resume()
-            if isinstance(exc, VMMError) or not isinstance(exc, Exception):
-                raise
-            raise VMMCommandError(f"save_state failed: {exc}") from exc
-        qemu = version["qemu"]
-        return SnapshotFiles(
-            driver=QemuDriver.name,
-            accel=self.spec.accel,
-            state_file=final,
-            memory_file=self.spec.memory_file if ram_in_file else None,
-            shape=self.spec.shape(),
-            meta={
-                "qemu_version": f"{qemu['major']}.{qemu['minor']}.{qemu['micro']}",
-                "qemu_package": version.get("package", ""),
-                "machine": MACHINE_TYPE,
-            },
-        )
-
-    async def seal_drive(self, drive_id: str, sealed: Path, new_top: Path) -> None:
-        """A hard link names the current top image ``sealed``; ``new_top`` is created with
-        that name as its backing file and put on top of the running drive
-        (``blockdev-add`` + ``blockdev-snapshot``, which leave the header as written). So
-        the frozen image lives on under ``sealed`` when the sandbox's directory goes, and
-        the new top never refers to a name that could disappear."""
-        drive = next((d for d in self.spec.drives if d.drive_id == drive_id), None)
-        if drive is None or drive.fmt != "qcow2" or drive.read_only:
-            raise VMMCommandError(f"drive {drive_id!r} is not a writable qcow2 drive")
-        blocks = await self.execute("query-block")
-        info = next((b for b in blocks if b.get("device") == drive_id), None)
-        if info is None or "inserted" not in info:
-            raise VMMCommandError(f"QEMU has no drive {drive_id!r}")
-        current_node = info["inserted"]["node-name"]
-        size = int(info["inserted"]["image"]["virtual-size"])
-        new_node = f"{drive_id}-{secrets.token_hex(4)}"
-        added = False
-        try:
-            os.link(drive.path, sealed)
-            await _run_tool(
-                "qemu-img", "create", "-q", "-f", "qcow2", "-u",
-                "-b", str(sealed), "-F", "qcow2", str(new_top), str(size),
-            )  # fmt: skip
-            if self._jail is not None:
-                # QEMU opens the new top by name, in its jail and as its own uid.
-                self._jail.admit(new_top, writable=True)
-            await self.execute(
-                "blockdev-add",
-                {
-                    "driver": "qcow2",
-                    "node-name": new_node,
-                    "file": {"driver": "file", "filename": str(new_top)},
-                    "backing": None,
-                },
-            )
-            added = True
-            await self.execute("blockdev-snapshot", {"node": current_node, "overlay": new_node})
-        except BaseException as exc:
-            if added:
-                with contextlib.suppress(VMMError):
-                    await self.execute("blockdev-del", {"node-name": new_node})
-            if isinstance(exc, ConfinementError):
-                exc = VMMCommandError(str(exc))
-            for path in (new_top, sealed):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-            if isinstance(exc, VMMError) or not isinstance(exc, Exception):
-                raise
-            raise VMMCommandError(f"sealing drive {drive_id} failed: {exc}") from exc
-        drives = tuple(
-            DriveSpec(d.drive_id, new_top, d.read_only, d.fmt) if d.drive_id == drive_id else d
-            for d in self.spec.drives
-        )
-        self.spec = replace(self.spec, drives=drives)
-        _update_record_spec(self.workdir, self.spec)
-
-    async def stop(self, timeout: float = 5.0) -> None:
-        if self._process.alive():
-            with contextlib.suppress(VMMError):
-                await self.execute("quit")
-            if not await self._process.wait(timeout):
-                await self._process.kill()
-        await self._disconnect()
-        await self._release_confinement()
-
-    async def kill(self) -> None:
-        await self._process.kill()
-        await self._disconnect()
-        _remove_socket(self._socket_path)
-        await self._release_confinement()
-
-    async def _release_confinement(self) -> None:
-        """Once the process is gone: its jail tree and cgroup go too."""
-        if self._jail is not None and not self._process.alive():
-            await asyncio.to_thread(self._jail.cleanup)
-
-    async def stats(self) -> VMStats:
-        pid = self.pid
-        if not self._process.alive():
-            raise VMMGone(f"QEMU process {pid} has exited")
-        try:
-            rss, pss, cpu_seconds = _read_proc_usage(pid)
-        except (FileNotFoundError, ProcessLookupError) as exc:
-            raise VMMGone(f"QEMU process {pid} has exited") from exc
-        return VMStats(
-            pid=pid, state=self.state, rss_bytes=rss, pss_bytes=pss, cpu_seconds=cpu_seconds
-        )
-
-    async def wait_exit(self) -> VMMExit:
-        returncode = await self._process.exited()
-        tail = await asyncio.to_thread(_logs_tail, self.workdir, _EXIT_LOG_TAIL_BYTES)
-        return VMMExit(self.pid, returncode, tail)
-
-    async def close(self) -> None:
-        await self._disconnect()
-        self._process.detach()
-
-    async def _disconnect(self) -> None:
-        if self._console_task is not None:
-            self._console_task.cancel()
-            self._console_task = None
-        if self._closed:
-            return
-        self._closed = True
-        # disconnect() re-raises whatever ended the session (EOF after quit or kill).
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._qmp.disconnect(), 2.0)
-
-
-async def _run_tool(*argv: str) -> None:
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-        )
-    except OSError as exc:
-        raise VMMCommandError(f"cannot run {argv[0]}: {exc}") from exc
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise VMMCommandError(f"{argv[0]} failed: {err.decode(errors='replace').strip()}")
-
-
-def _update_record_spec(workdir: Path, spec: MachineSpec) -> None:
-    """Record a changed spec (a drive's new top image) for :meth:`QemuDriver.attach` and
-    later restores; the process and its argv are unchanged."""
-    path = workdir / VM_RECORD
-    record = json.loads(path.read_text())
-    record["spec"] = spec.to_dict()
-    tmp = workdir / f".{VM_RECORD}.tmp"
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, path)
-
-
-def _state_paths(dest: Path) -> tuple[Path, Path]:
-    """Create ``dest`` and name the snapshot's final and in-progress state files."""
-    dest.mkdir(parents=True, exist_ok=True)
-    return dest / STATE_FILE, dest / f".{STATE_FILE}.{secrets.token_hex(4)}.partial"
-
-
-def _read_proc_usage(pid: int) -> tuple[int, int, float]:
-    """(RSS bytes, PSS bytes, CPU seconds) of ``pid`` from /proc."""
-    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields: dict[str, int] = {}
-    for line in rollup.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if len(parts) == 2 and parts[1] == "kB":
-            fields[key] = int(parts[0]) * 1024
-    # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    after_comm = stat[stat.rindex(")") + 2 :].split()
-    ticks = int(after_comm[11]) + int(after_comm[12])
-    return fields.get("Rss", 0), fields.get("Pss", 0), ticks / os.sysconf("SC_CLK_TCK")
-
-
-async def _execute(
-    qmp: Any,
-    process: VMMProcess,
-    command: str,
-    arguments: Mapping[str, object] | None,
-    limit_s: float,
-) -> Any:
-    if not process.alive():
-        raise VMMGone(f"QEMU process {process.pid} has exited")
-    try:
-        return await asyncio.wait_for(qmp.execute(command, arguments), limit_s)
-    except ExecuteError as exc:
-        raise VMMCommandError(f"QMP {command} failed: {exc}") from exc
-    except TimeoutError as exc:
-        raise VMMCommandError(f"QMP {command} got no answer within {limit_s}s") from exc
-    except (QMPError, OSError, EOFError) as exc:
-        # A broken connection usually means the process died: give its exit a moment to
-        # be noticed so callers get VMMGone rather than a generic error.
-        await process.wait(0.2)
-        if not process.alive():
-            raise VMMGone(f"QEMU process {process.pid} exited during {command}") from exc
-        raise VMMCommandError(f"QMP {command} failed: {exc!r}") from exc
-
-
-async def _pass_fd(qmp: Any, process: VMMProcess, fd: int, name: str, limit_s: float) -> None:
-    """Hand ``fd`` to QEMU under ``name`` (SCM_RIGHTS, then ``getfd``)."""
-    if not process.alive():
-        raise VMMGone(f"QEMU process {process.pid} has exited")
-    try:
-        qmp.send_fd_scm(fd)
-    except (QMPError, OSError) as exc:
-        raise VMMCommandError(f"passing a file descriptor to QEMU failed: {exc!r}") from exc
-    await _execute(qmp, process, "getfd", {"fdname": name}, limit_s)
-
-
-async def _await_migration(
-    qmp: Any, process: VMMProcess, limit_s: float, command_limit_s: float
-) -> None:
-    """Poll ``query-migrate`` until the migration completes (or fails)."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    deadline = started + limit_s
-    interval = 0.001
-    while True:
-        info = await _execute(qmp, process, "query-migrate", None, command_limit_s)
-        status = info.get("status")
-        if status == "completed":
-            return
-        if status in ("failed", "cancelled"):
-            detail = info.get("error-desc", "no error description")
-            raise VMMCommandError(f"migration {status}: {detail}")
-        if loop.time() > deadline:
-            raise VMMCommandError(f"migration did not complete within {limit_s}s ({status})")
-        await asyncio.sleep(interval)
-        # Device-state loads take a few ms: poll finely at first, then back off for
-        # the long RAM streams.
-        if loop.time() - started > 0.03:
-            interval = min(interval * 2, 0.05)
-
-
 class QemuDriver(VMMDriver):
     """Starts ``qemu-system-x86_64 -M microvm`` processes."""
 
-    name = "qemu"
+    name = DRIVER_NAME
     executables = ("qemu-system",)
     accelerators = ("tcg", "kvm")
     seals_drives = True
@@ -659,7 +250,7 @@ class QemuDriver(VMMDriver):
         process, qmp = launch.process, launch.qmp
         timeout = self.command_timeout
         try:
-            await _execute(
+            await execute_qmp(
                 qmp,
                 process,
                 "migrate-set-capabilities",
@@ -672,15 +263,15 @@ class QemuDriver(VMMDriver):
             )
             fd = os.open(snapshot.state_file, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                await _pass_fd(qmp, process, fd, "agentenv-restore", timeout)
+                await pass_fd(qmp, process, fd, "agentenv-restore", timeout)
             finally:
                 os.close(fd)
-            await _execute(
+            await execute_qmp(
                 qmp, process, "migrate-incoming", {"uri": "fd:agentenv-restore"}, timeout
             )
-            await _await_migration(qmp, process, self.migration_timeout, timeout)
+            await await_migration(qmp, process, self.migration_timeout, timeout)
             if resume:
-                await _execute(qmp, process, "cont", None, timeout)
+                await execute_qmp(qmp, process, "cont", None, timeout)
         except BaseException as exc:
             await self._abandon(process, qmp)
             if launch.jail is not None:
@@ -688,7 +279,7 @@ class QemuDriver(VMMDriver):
             if not isinstance(exc, Exception):
                 raise
             raise VMMStartError(
-                f"restoring {snapshot.state_file} failed: {exc}\n{_logs_tail(workdir)}"
+                f"restoring {snapshot.state_file} failed: {exc}\n{logs_tail(workdir)}"
             ) from exc
         state = VMRunState.RUNNING if resume else VMRunState.PAUSED
         return self._handle(spec, workdir, launch, state)
@@ -721,7 +312,7 @@ class QemuDriver(VMMDriver):
             # alone rather than kill a VM someone else may be managing.
             raise VMMCommandError(f"cannot reach QMP of process {pid}: {exc}") from exc
         try:
-            status = await _execute(qmp, process, "query-status", None, self.command_timeout)
+            status = await execute_qmp(qmp, process, "query-status", None, self.command_timeout)
         except VMMError:
             process.detach()
             with contextlib.suppress(Exception):
@@ -737,13 +328,13 @@ class QemuDriver(VMMDriver):
                 with contextlib.suppress(Exception):
                     await qmp.disconnect()
                 raise VMMCommandError(f"cannot confine adopted QEMU {pid}: {exc}") from exc
-        launch = _Launch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
+        launch = QemuLaunch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
         return self._handle(spec, workdir, launch, state)
 
     # -- internals ---------------------------------------------------------------------------
 
     def _handle(
-        self, spec: MachineSpec, workdir: Path, launch: _Launch, state: VMRunState
+        self, spec: MachineSpec, workdir: Path, launch: QemuLaunch, state: VMRunState
     ) -> QemuVM:
         return QemuVM(
             spec=spec,
@@ -758,7 +349,7 @@ class QemuDriver(VMMDriver):
             console_limit=self.console_limit,
         )
 
-    async def _launch(self, spec: MachineSpec, workdir: Path, *, incoming: bool) -> _Launch:
+    async def _launch(self, spec: MachineSpec, workdir: Path, *, incoming: bool) -> QemuLaunch:
         _prepare_workdir(spec, workdir)
         qemu_argv = self.build_argv(spec, workdir, incoming=incoming)
         socket_path = self._socket_path(workdir)
@@ -812,8 +403,8 @@ class QemuDriver(VMMDriver):
                 await asyncio.to_thread(jail.cleanup)
             if not isinstance(exc, Exception):
                 raise
-            raise VMMStartError(f"QEMU did not come up: {exc}\n{_logs_tail(workdir)}") from exc
-        return _Launch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
+            raise VMMStartError(f"QEMU did not come up: {exc}\n{logs_tail(workdir)}") from exc
+        return QemuLaunch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
 
     def _confine(
         self, launch_spec: LaunchSpec, spec: MachineSpec, jail: VmmJail, socket_path: Path
