@@ -1109,6 +1109,40 @@ async def test_polled_watcher(envd: Envd, tmp_path: Path) -> None:
         assert raised.value.code == Code.NOT_FOUND
 
 
+async def test_uploads_give_e2b_envds_watch_events(envd: Envd, tmp_path: Path) -> None:
+    """E2B's envd creates the target, chowns it to the user, then writes: CREATE, CHMOD,
+    WRITE for a new file; CHMOD, WRITE for one it replaces."""
+    (tmp_path / "old.txt").write_bytes(b"old")
+    async with FilesystemClient(envd.url, codec=proto_json_codec(), send_compression=None) as fs:
+        stream = fs.watch_dir(WatchDirRequest(path=str(tmp_path)))
+        assert (await anext(stream)).event.field == "start"
+        async with httpx.AsyncClient() as http:
+            for name in ("new.txt", "old.txt", "end.txt"):
+                written = await http.post(
+                    f"{envd.url}/files",
+                    params={"path": str(tmp_path / name)},
+                    files={"file": (name, b"data")},
+                )
+                assert written.status_code == 200, written.text
+        seen: list[tuple[str, Any]] = []
+        async with asyncio.timeout(20):
+            while ("end.txt", EventType.WRITE) not in seen:
+                response = await anext(stream)
+                if response.event.field == "filesystem":
+                    seen.append((response.event.value.name, response.event.value.type))
+        await stream.aclose()
+    assert seen == [
+        ("new.txt", EventType.CREATE),
+        ("new.txt", EventType.CHMOD),
+        ("new.txt", EventType.WRITE),
+        ("old.txt", EventType.CHMOD),
+        ("old.txt", EventType.WRITE),
+        ("end.txt", EventType.CREATE),
+        ("end.txt", EventType.CHMOD),
+        ("end.txt", EventType.WRITE),
+    ]
+
+
 # -- processes: PTY, StreamInput ---------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ from .multipart import (
 )
 from .state import EnvdState
 from .users import OSUser, UnknownUserError, lookup_user
-from .watchers import STAGING_PREFIX
+from .watchers import staging_name
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -574,7 +574,8 @@ def _create_staging_file(target: str) -> tuple[int, str]:
     parent = os.path.dirname(target)
     os.makedirs(parent, mode=0o755, exist_ok=True)
     while True:
-        temp = os.path.join(parent, STAGING_PREFIX + secrets.token_hex(8))
+        name = staging_name(secrets.token_hex(8), replaces=existing is not None)
+        temp = os.path.join(parent, name)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             break
