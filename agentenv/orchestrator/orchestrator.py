@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -56,7 +57,12 @@ from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
 from agentenv.orchestrator.sources import Source, Sources
-from agentenv.orchestrator.states import PUBLIC_STATE, VISIBLE_STATES, SandboxState
+from agentenv.orchestrator.states import (
+    PUBLIC_STATE,
+    VISIBLE_STATES,
+    SandboxState,
+    traffic_end,
+)
 from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRecord, Store, utcnow
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
@@ -181,6 +187,19 @@ class Orchestrator:
             self._pins,
         )
         self._started = False
+
+    def on_traffic_end(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(sandbox_id, reason)`` the moment a sandbox stops taking
+        proxied traffic: a kill (or expiry) or a pause begins, or its VMM is gone.
+        ``reason`` is "killed" or "paused". The callback must be quick and must not
+        raise (it runs inside the state change)."""
+
+        def listener(event: SandboxEvent) -> None:
+            reason = traffic_end(event.new)
+            if reason is not None and event.old is not None:
+                callback(event.sandbox_id, reason)
+
+        self.store.listen(listener)
 
     @property
     def own_memory_files(self) -> bool:
