@@ -52,6 +52,7 @@ from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
 from agentenv.orchestrator.liveness import VmmLiveness
 from agentenv.orchestrator.machines import Machines
+from agentenv.orchestrator.metrics import SAMPLE_INTERVAL_S, GuestSample, MetricsHistory
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
@@ -115,6 +116,7 @@ class Orchestrator:
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
         self._free_space = FreeSpaceFloor(config)
+        self._metrics = MetricsHistory(self.store, self.http)
         self._operations = SandboxOperations()
         self._supervisor = Supervisor()
         self._machines = Machines(driver, self.network, self.store, accel)
@@ -196,7 +198,8 @@ class Orchestrator:
 
         def listener(event: SandboxEvent) -> None:
             reason = traffic_end(event.new)
-            if reason is not None and event.old is not None:
+            # Once per end: from a state that took traffic to one that does not.
+            if reason is not None and event.old is not None and traffic_end(event.old) is None:
                 callback(event.sandbox_id, reason)
 
         self.store.listen(listener)
@@ -243,6 +246,7 @@ class Orchestrator:
         self._supervisor.every(
             "ram-flush", RAM_FLUSH_INTERVAL_S, self._machines.flush_shared_memory
         )
+        self._supervisor.every("metrics", SAMPLE_INTERVAL_S, self._sample_metrics)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
         self._started = True
@@ -349,6 +353,31 @@ class Orchestrator:
             if (await self.get_settled(sandbox_id)).state != "running":
                 return None  # its VMM exited while envd was being asked
             raise GuestUnavailable(f"sandbox {sandbox_id}: {exc}") from exc
+
+    async def metrics(
+        self, sandbox_id: str, start: datetime | None, until: datetime | None
+    ) -> list[GuestSample]:
+        """The sandbox's samples taken in [start, until) (None: no bound). A running
+        sandbox not sampled yet, asked about a window that reaches now, is sampled at
+        once."""
+        view = await self.get_settled(sandbox_id)
+        samples = self._metrics.between(sandbox_id, start, until)
+        now = utcnow()
+        reaches_now = (start is None or start <= now) and (until is None or until > now)
+        if samples or not reaches_now or view.state != "running":
+            return samples
+        figures = await self.guest_metrics(sandbox_id)
+        if figures is None:
+            return []
+        sample = GuestSample(now, figures)
+        self._metrics.record(sandbox_id, sample)
+        return [sample]
+
+    async def _sample_metrics(self) -> None:
+        running = [
+            self._view(r) for r in self.store.list_sandboxes() if r.state == SandboxState.RUNNING
+        ]
+        await self._metrics.sample(running)
 
     async def ready_for_traffic(self, sandbox_id: str) -> SandboxView:
         """The sandbox once it can take proxied traffic: a paused sandbox created with
