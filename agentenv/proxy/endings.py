@@ -75,10 +75,6 @@ class TrafficEndings:
         if ending is not None:
             ending.fire(reason)
 
-    def end_all(self, reason: str) -> None:
-        for sandbox_id in list(self._current):
-            self.end(sandbox_id, reason)
-
 
 class ConnectFraming:
     """Follows the envelopes of a relayed Connect stream (a flags byte, a 4-byte
