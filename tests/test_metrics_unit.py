@@ -61,6 +61,8 @@ async def test_metrics_honour_the_window(node: Node) -> None:
     assert first.figures["cpu_count"] == 1
     assert await orch.metrics(sandbox_id, before, None) == [first]
     assert await orch.metrics(sandbox_id, first.at + timedelta(seconds=1), None) == []
+    vcpus = (await orch.get_settled(sandbox_id)).record.vcpus
+    assert orch.latest_metrics({sandbox_id, "nosuch"}) == {sandbox_id: (first, vcpus)}
     await orch.pause(sandbox_id)
     assert await orch.metrics(sandbox_id, None, None) == [first]  # kept through a pause
     await orch.kill(sandbox_id)

@@ -340,6 +340,31 @@ def create_app(
         return [detail_body(v) for v in page]
 
     @app.get(
+        # Before /sandboxes/{sandbox_id}, which would take "metrics" for an id.
+        "/sandboxes/metrics",
+        response_model=dict[str, dict[str, SandboxMetric]],
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def sandboxes_metrics(
+        sandbox_ids: Annotated[list[str], Query()],
+    ) -> dict[str, dict[str, SandboxMetric]]:
+        """E2B's ``SandboxesWithMetrics``: the latest sample of each sandbox named
+        (comma-separated, or the parameter repeated); those unknown or not sampled yet
+        are left out."""
+        wanted = {i.strip() for value in sandbox_ids for i in value.split(",") if i.strip()}
+        if len(wanted) > MAX_PAGE_SIZE:
+            raise ApiError(400, f"at most {MAX_PAGE_SIZE} sandbox_ids")
+        latest = orchestrator.latest_metrics(wanted)
+        return {
+            "sandboxes": {
+                sandbox_id: metric_body(sample.at, sample.figures, vcpus)
+                for sandbox_id, (sample, vcpus) in latest.items()
+            }
+        }
+
+    @app.get(
         "/sandboxes/{sandbox_id}",
         response_model=SandboxDetail,
         response_model_by_alias=True,

@@ -69,6 +69,10 @@ class MetricsHistory:
             if (start is None or s.at >= start) and (until is None or s.at < until)
         ]
 
+    def latest(self, sandbox_id: str) -> GuestSample | None:
+        samples = self._samples.get(sandbox_id)
+        return samples[-1] if samples else None
+
     async def sample(self, running: list[SandboxView]) -> None:
         """One sample of each of the ``running`` sandboxes, all at once."""
         await asyncio.gather(*(self._sample(view) for view in running))

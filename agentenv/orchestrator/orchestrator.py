@@ -373,6 +373,17 @@ class Orchestrator:
         self._metrics.record(sandbox_id, sample)
         return [sample]
 
+    def latest_metrics(self, sandbox_ids: set[str]) -> dict[str, tuple[GuestSample, int]]:
+        """The latest sample, and vCPU count, of each visible sandbox named that has
+        one."""
+        latest: dict[str, tuple[GuestSample, int]] = {}
+        for sandbox_id in sandbox_ids:
+            rec = self.store.get_sandbox(sandbox_id)
+            sample = self._metrics.latest(sandbox_id)
+            if rec is not None and rec.state in VISIBLE_STATES and sample is not None:
+                latest[sandbox_id] = (sample, rec.vcpus)
+        return latest
+
     async def _sample_metrics(self) -> None:
         running = [
             self._view(r) for r in self.store.list_sandboxes() if r.state == SandboxState.RUNNING

@@ -7,13 +7,17 @@ import datetime as dt
 import itertools
 import time
 
+import httpx
 import pytest
 from e2b import E2B
+from e2b.api.client.models.sandboxes_with_metrics import SandboxesWithMetrics
+
+from tests.helpers import ServerProcess
 
 pytestmark = pytest.mark.vm
 
 
-def test_metrics_window_and_history(e2b: E2B) -> None:
+def test_metrics_window_and_history(e2b: E2B, e2b_server: ServerProcess) -> None:
     created = dt.datetime.now(dt.UTC)
     sbx = e2b.Sandbox.create(timeout=120, metadata={"suite": "e2b-metrics"})
     try:
@@ -39,5 +43,17 @@ def test_metrics_window_and_history(e2b: E2B) -> None:
         later = sbx.get_metrics(start=stamps[-1].replace(microsecond=0) + dt.timedelta(seconds=1))
         assert all(m.timestamp > stamps[-1] for m in later)
         assert sbx.get_metrics(start=created + dt.timedelta(hours=1)) == []
+
+        # The bulk route (in the SDK's API client): each sandbox's latest sample.
+        bulk = httpx.get(
+            f"{e2b_server.url}/sandboxes/metrics",
+            params={"sandbox_ids": f"{sbx.sandbox_id},inosuchsandbox"},
+            headers={"X-API-Key": e2b_server.api_key},
+            trust_env=False,
+        )
+        assert bulk.status_code == 200, bulk.text
+        latest = SandboxesWithMetrics.from_dict(bulk.json()).sandboxes
+        assert set(latest) == {sbx.sandbox_id}
+        assert latest[sbx.sandbox_id]["timestampUnix"] >= int(stamps[-1].timestamp())
     finally:
         sbx.kill()
