@@ -1112,17 +1112,22 @@ async def test_polled_watcher(envd: Envd, tmp_path: Path) -> None:
 
 async def test_uploads_give_e2b_envds_watch_events(envd: Envd, tmp_path: Path) -> None:
     """E2B's envd creates the target, chowns it to the user, then writes: CREATE, CHMOD,
-    WRITE for a new file; CHMOD, WRITE for one it replaces."""
+    WRITE for a new file (no WRITE when empty); CHMOD, WRITE for one it replaces."""
     (tmp_path / "old.txt").write_bytes(b"old")
     async with FilesystemClient(envd.url, codec=proto_json_codec(), send_compression=None) as fs:
         stream = fs.watch_dir(WatchDirRequest(path=str(tmp_path)))
         assert (await anext(stream)).event.field == "start"
         async with httpx.AsyncClient() as http:
-            for name in ("new.txt", "old.txt", "end.txt"):
+            for name, data in (
+                ("new.txt", b"data"),
+                ("old.txt", b"data"),
+                ("empty.txt", b""),
+                ("end.txt", b"data"),
+            ):
                 written = await http.post(
                     f"{envd.url}/files",
                     params={"path": str(tmp_path / name)},
-                    files={"file": (name, b"data")},
+                    files={"file": (name, data)},
                 )
                 assert written.status_code == 200, written.text
         seen: list[tuple[str, Any]] = []
@@ -1138,6 +1143,8 @@ async def test_uploads_give_e2b_envds_watch_events(envd: Envd, tmp_path: Path) -
         ("new.txt", EventType.WRITE),
         ("old.txt", EventType.CHMOD),
         ("old.txt", EventType.WRITE),
+        ("empty.txt", EventType.CREATE),
+        ("empty.txt", EventType.CHMOD),
         ("end.txt", EventType.CREATE),
         ("end.txt", EventType.CHMOD),
         ("end.txt", EventType.WRITE),

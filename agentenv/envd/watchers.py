@@ -10,9 +10,9 @@ created or moved into its tree.
 Uploads are staged in a hidden file beside the target and renamed over it (see
 ``files``). Watchers hide the staging files and report the final rename as what a
 watcher of E2B's envd sees: that envd opens the target with O_CREAT|O_TRUNC, chowns it to
-the user and writes, so a new file gives CREATE, CHMOD, WRITE and a replaced one CHMOD,
-WRITE. (An empty new file gives no WRITE there; here it does.) Whether the target existed
-is part of the staging file's name, since the rename does not say.
+the user and writes, so a new file gives CREATE, CHMOD, WRITE (no WRITE if it is empty)
+and a replaced one CHMOD, WRITE. Whether the target existed is part of the staging file's
+name, since the rename does not say.
 
 A watcher made for a user adds its watches with that user's permissions
 (``fsaccess.call_as``): inotify_add_watch needs read permission on the directory, checked
@@ -136,6 +136,13 @@ def is_network_mount(path: str) -> bool:
     except OSError:
         return False
     return best_type in NETWORK_FS_TYPES
+
+
+def _is_empty(path: str) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_size == 0
+    except OSError:
+        return False  # already gone again: report what the upload most likely did
 
 
 class DirectoryWatcher:
@@ -264,10 +271,14 @@ class DirectoryWatcher:
                 self._staging_cookies[cookie] = replaces
             return
         if mask & IN_MOVED_TO and cookie in self._staging_cookies:
-            if not self._staging_cookies.pop(cookie):
+            replaces = self._staging_cookies.pop(cookie)
+            if not replaces:
                 self._emit(relative, EventType.CREATE, absolute)
             self._emit(relative, EventType.CHMOD, absolute)
-            self._emit(relative, EventType.WRITE, absolute)
+            # Truncating the file it replaces is a write; a new file is written to only
+            # if the upload had data.
+            if replaces or not _is_empty(absolute):
+                self._emit(relative, EventType.WRITE, absolute)
             return
 
         if mask & (IN_CREATE | IN_MOVED_TO):
