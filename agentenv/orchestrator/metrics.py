@@ -3,8 +3,8 @@
 /sandboxes/{id}/metrics?start=&end=`` answers a time window as E2B's does.
 
 Owns the samples (in memory: a restart of the server starts the history again). Asks
-the running sandboxes' envd it is given; changes nothing else. A sample costs the guest one small
-``/metrics`` request (a few /proc reads).
+the envd of the running sandboxes it is given; changes nothing else. A sample costs the
+guest one small ``/metrics`` request (a few /proc reads).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ around every change and calls the component that does the work:
 - :mod:`.recovery`: what a previous run left;
 - :mod:`.resources`: network slots and leases, file pins and collection;
 - :mod:`.machines`: the attached VMMs; :mod:`.liveness`: those that exit on their own;
+- :mod:`.metrics`: the sandboxes' resource samples;
 - :mod:`.supervisor`: background tasks.
 
 Lifecycle: :meth:`Orchestrator.startup` (open the store, recover, start background work
