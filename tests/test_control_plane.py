@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from tests.helpers import SANDBOX_DOMAIN, ServerProcess, run_command
@@ -166,5 +167,39 @@ def test_websocket_through_the_proxy(server: ServerProcess) -> None:
             with ws_connect(host_url, sock=sock, open_timeout=30) as ws:
                 ws.send("via host")
                 assert ws.recv(timeout=30) == "via host"
+        finally:
+            c.delete(f"/sandboxes/{sandbox_id}")
+
+
+def test_kill_closes_a_proxied_websocket(server: ServerProcess) -> None:
+    """A killed guest never closes its connections: the proxy closes the client's
+    WebSocket itself (1001, going away) when the kill begins."""
+    with server.client() as c:
+        sandbox_id = c.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()[
+            "sandboxID"
+        ]
+        try:
+            script = WS_ECHO_SERVER.replace("'", "'\\''")
+            started = run_command(
+                server.url,
+                sandbox_id,
+                f"printf '%s' '{script}' > /tmp/ws.py && "
+                "(nohup python3 /tmp/ws.py >/tmp/ws.log 2>&1 &) && "
+                "for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/8765) 2>/dev/null "
+                "&& exit 0; sleep 0.1; done; cat /tmp/ws.log; exit 1",
+            )
+            assert started.exit_code == 0, started.stdout + started.stderr
+            url = f"ws://127.0.0.1:{server.port}/echo"
+            headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8765"}
+            with ws_connect(url, additional_headers=headers, open_timeout=30) as ws:
+                ws.send("before")
+                assert ws.recv(timeout=30) == "before"
+                assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+                killed = time.monotonic()
+                with pytest.raises(ConnectionClosed) as closed:
+                    ws.recv(timeout=30)
+                assert time.monotonic() - killed < 15
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+                assert "was not found" in closed.value.rcvd.reason
         finally:
             c.delete(f"/sandboxes/{sandbox_id}")

@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -1149,6 +1150,81 @@ async def test_polled_watcher(envd: Envd, tmp_path: Path) -> None:
         with pytest.raises(ConnectError) as raised:
             await anext(fs.watch_dir(WatchDirRequest(path=str(tmp_path / "missing"))))
         assert raised.value.code == Code.NOT_FOUND
+
+
+async def test_uploads_give_e2b_envds_watch_events(envd: Envd, tmp_path: Path) -> None:
+    """E2B's envd creates the target, chowns it to the user, then writes: CREATE, CHMOD,
+    WRITE for a new file (no WRITE when empty); CHMOD, WRITE for one it replaces."""
+    (tmp_path / "old.txt").write_bytes(b"old")
+    async with FilesystemClient(envd.url, codec=proto_json_codec(), send_compression=None) as fs:
+        stream = fs.watch_dir(WatchDirRequest(path=str(tmp_path)))
+        assert (await anext(stream)).event.field == "start"
+        async with httpx.AsyncClient() as http:
+            for name, data in (
+                ("new.txt", b"data"),
+                ("old.txt", b"data"),
+                ("empty.txt", b""),
+                ("end.txt", b"data"),
+            ):
+                written = await http.post(
+                    f"{envd.url}/files",
+                    params={"path": str(tmp_path / name)},
+                    files={"file": (name, data)},
+                )
+                assert written.status_code == 200, written.text
+        seen: list[tuple[str, Any]] = []
+        async with asyncio.timeout(20):
+            while ("end.txt", EventType.WRITE) not in seen:
+                response = await anext(stream)
+                if response.event.field == "filesystem":
+                    seen.append((response.event.value.name, response.event.value.type))
+        await stream.aclose()
+    assert seen == [
+        ("new.txt", EventType.CREATE),
+        ("new.txt", EventType.CHMOD),
+        ("new.txt", EventType.WRITE),
+        ("old.txt", EventType.CHMOD),
+        ("old.txt", EventType.WRITE),
+        ("empty.txt", EventType.CREATE),
+        ("empty.txt", EventType.CHMOD),
+        ("end.txt", EventType.CREATE),
+        ("end.txt", EventType.CHMOD),
+        ("end.txt", EventType.WRITE),
+    ]
+
+
+# -- /files of unknown size ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path", ["/proc/version", "/proc/self/status", "/sys/devices/system/cpu/online"]
+)
+def test_files_without_a_size_are_read_to_eof(envd: Envd, path: str) -> None:
+    """procfs says 0 bytes and sysfs a page, whatever they hold: read until EOF."""
+    read = httpx.get(f"{envd.url}/files", params={"path": path}, headers={"Range": "bytes=0-1"})
+    assert read.status_code == 200, read.text
+    assert "content-length" not in read.headers
+    if path != "/proc/self/status":  # envd's own status, not this process's
+        assert read.content == Path(path).read_bytes()
+    assert read.content.strip()
+
+
+def test_files_reads_a_pipe_until_its_writer_closes(envd: Envd, tmp_path: Path) -> None:
+    fifo = tmp_path / "feed"
+    os.mkfifo(fifo)
+
+    def write_slowly() -> None:
+        with open(fifo, "wb", buffering=0) as out:  # waits for envd to open it
+            for line in (b"one\n", b"two\n"):
+                time.sleep(0.2)
+                out.write(line)
+
+    writer = threading.Thread(target=write_slowly, daemon=True)
+    writer.start()
+    read = httpx.get(f"{envd.url}/files", params={"path": str(fifo)}, timeout=30)
+    writer.join(10)
+    assert read.status_code == 200, read.text
+    assert read.content == b"one\ntwo\n"
 
 
 # -- processes: PTY, StreamInput ---------------------------------------------------------

@@ -122,7 +122,8 @@ def test_requests_right_after_the_kill_answer_4xx(liveness_server: ServerProcess
         assert pause.status_code == 409, pause.text
         assert snapshot.status_code == 409, snapshot.text
         assert fork.status_code == 409, fork.text
-        assert metrics.status_code == 200 and metrics.json() == [], metrics.text
+        # Not an error: the samples taken while it ran (E2B keeps them for its life).
+        assert metrics.status_code == 200 and isinstance(metrics.json(), list), metrics.text
         assert _states(c)[sandbox_id] == "paused"
         assert c.get("/snapshots", params={"sandboxID": sandbox_id}).json() == []
     assert _consistent(srv)

@@ -72,6 +72,9 @@ from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
 log = logging.getLogger("agentenv.api")
 
+# The last second a datetime holds (9999-12-31T23:59:58, so that end + 1 fits too).
+_LAST_UNIX_SECOND = 253_402_300_798
+
 
 def create_app(
     orchestrator: Orchestrator, api_key: str, *, manage_lifecycle: bool = True
@@ -314,6 +317,31 @@ def create_app(
         return [detail_body(v) for v in page(views, sandbox_key, next_token, limit, response)]
 
     @app.get(
+        # Before /sandboxes/{sandbox_id}, which would take "metrics" for an id.
+        "/sandboxes/metrics",
+        response_model=dict[str, dict[str, SandboxMetric]],
+        response_model_by_alias=True,
+        dependencies=authed,
+        tags=["sandboxes"],
+    )
+    async def sandboxes_metrics(
+        sandbox_ids: Annotated[list[str], Query()],
+    ) -> dict[str, dict[str, SandboxMetric]]:
+        """E2B's ``SandboxesWithMetrics``: the latest sample of each sandbox named
+        (comma-separated, or the parameter repeated); those unknown or not sampled yet
+        are left out."""
+        wanted = {i.strip() for value in sandbox_ids for i in value.split(",") if i.strip()}
+        if len(wanted) > MAX_PAGE_SIZE:
+            raise ApiError(400, f"at most {MAX_PAGE_SIZE} sandbox_ids")
+        latest = orchestrator.latest_metrics(wanted)
+        return {
+            "sandboxes": {
+                sandbox_id: metric_body(sample.at, sample.figures, vcpus)
+                for sandbox_id, (sample, vcpus) in latest.items()
+            }
+        }
+
+    @app.get(
         "/sandboxes/{sandbox_id}",
         response_model=SandboxDetail,
         response_model_by_alias=True,
@@ -371,28 +399,22 @@ def create_app(
         dependencies=authed,
         tags=["sandboxes"],
     )
-    async def sandbox_metrics(sandbox_id: SandboxId) -> list[SandboxMetric]:
+    async def sandbox_metrics(
+        sandbox_id: SandboxId,
+        start: Annotated[int | None, Query(ge=0, le=_LAST_UNIX_SECOND)] = None,
+        end: Annotated[int | None, Query(ge=0, le=_LAST_UNIX_SECOND)] = None,
+    ) -> list[SandboxMetric]:
+        """The samples taken (every 5 s while the sandbox runs) between ``start`` and
+        ``end``, unix seconds, both included; by default its whole life. A sandbox that
+        is not running records none, so a window of a pause is empty, not an error."""
         view = orchestrator.get(sandbox_id)
-        data = await orchestrator.guest_metrics(sandbox_id)
-        if data is None:
-            # Not running (paused, or its VMM just exited). E2B answers with the metrics
-            # recorded in a time range, and the SDK returns that list; a sandbox that
-            # is not running records none, so the list is empty rather than an error.
-            return []
-        ts = float(str(data.get("ts", time.time())))
-        return [
-            SandboxMetric(
-                timestamp=datetime.fromtimestamp(ts, UTC),
-                timestampUnix=int(ts),
-                cpuCount=int(str(data.get("cpu_count", view.record.vcpus))),
-                cpuUsedPct=float(str(data.get("cpu_used_pct", 0.0))),
-                memUsed=int(str(data.get("mem_used", 0))),
-                memTotal=int(str(data.get("mem_total", 0))),
-                memCache=int(str(data.get("mem_cache", 0))),
-                diskUsed=int(str(data.get("disk_used", 0))),
-                diskTotal=int(str(data.get("disk_total", 0))),
-            )
-        ]
+        samples = await orchestrator.metrics(
+            sandbox_id,
+            datetime.fromtimestamp(start, UTC) if start is not None else None,
+            # The SDK sends whole seconds: the end's second is all in the window.
+            datetime.fromtimestamp(end + 1, UTC) if end is not None else None,
+        )
+        return [metric_body(s.at, s.figures, view.record.vcpus) for s in samples]
 
     async def _connect(sandbox_id: str, body: ConnectRequest | None, response: Response) -> Sandbox:
         """200 with a running sandbox (its lifetime only extended); 201 when it was paused
@@ -582,3 +604,23 @@ class IdempotentCreates:
 
 def _failed(task: asyncio.Task[Sandbox]) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
+
+
+def metric_body(at: datetime, figures: dict[str, object], vcpus: int) -> SandboxMetric:
+    """One sample in E2B's shape (envd's figures; the host's time, which windows use)."""
+
+    def number(key: str, default: float = 0) -> float:
+        value = figures.get(key, default)
+        return float(value) if isinstance(value, int | float) else default
+
+    return SandboxMetric(
+        timestamp=at,
+        timestampUnix=int(at.timestamp()),
+        cpuCount=int(number("cpu_count", vcpus)),
+        cpuUsedPct=number("cpu_used_pct"),
+        memUsed=int(number("mem_used")),
+        memTotal=int(number("mem_total")),
+        memCache=int(number("mem_cache")),
+        diskUsed=int(number("disk_used")),
+        diskTotal=int(number("disk_total")),
+    )

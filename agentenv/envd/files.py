@@ -1,12 +1,12 @@
 """``GET /files`` (download) and ``POST /files`` (upload), as E2B's envd serves them
 (protocol reference, sections 4.7 and 4.8).
 
-Both stream: downloads are read from disk a chunk at a time (with HTTP flow control
-pacing the reads), uploads are written to a temporary file next to the target as the
-body arrives and renamed over it once complete. Every filesystem call runs with the
-requesting user's permissions (see ``fsaccess``), so files and parent directories an
-upload creates belong to that user, and a user can never read or write what the OS would
-not let them.
+Both stream: downloads are read a chunk at a time (with HTTP flow control pacing the
+reads; files that do not know their size, and pipes, until EOF: see ``downloads``),
+uploads are written to a temporary file next to the target as the body arrives and
+renamed over it once complete. Every filesystem call runs with the requesting user's
+permissions (see ``fsaccess``), so files and parent directories an upload creates belong
+to that user, and a user can never read or write what the OS would not let them.
 
 Errors are JSON ``{"code": <http status>, "message": ...}``: 400 bad request or a
 directory, 401 unknown user, bad token or signature, 403 permission denied (the SDK
@@ -16,7 +16,6 @@ encoding, 416 bad range, 507 out of space.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import errno
@@ -34,6 +33,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .downloads import (
+    CHUNK_SIZE,
+    file_range,
+    file_to_eof,
+    open_for_reading,
+    pipe_to_eof,
+    send_chunks,
+)
 from .fsaccess import run_as, run_io
 from .multipart import (
     MultipartError,
@@ -46,22 +53,18 @@ from .multipart import (
 )
 from .state import EnvdState
 from .users import OSUser, UnknownUserError, lookup_user
-from .watchers import STAGING_PREFIX
+from .watchers import staging_name
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-#: Read/write granularity; also the most a single gzip step may inflate to.
-CHUNK_SIZE = 256 * 1024
 #: The form field name E2B's SDK (and envd) use for uploaded files.
 FILE_FIELD = "file"
 METADATA_HEADER_PREFIX = "x-metadata-"
 METADATA_XATTR_PREFIX = "user.e2b."
 SIGNATURE_PREFIX = "v1_"
-#: gzip level for downloads: cheap on the guest's CPU, still most of the gain on text.
-GZIP_LEVEL = 1
 
 
 class FileRequestError(Exception):
@@ -194,11 +197,12 @@ class FileTransfer:
         use_gzip = _choose_encoding(headers.get("accept-encoding"))
 
         try:
-            fd, size = await run_as(user, _open_for_reading, path)
+            source = await run_as(user, open_for_reading, path)
         except OSError as e:
             raise os_error_response(e, path) from None
+        fd, size = source.fd, source.size
         try:
-            span = _parse_range(headers.get("range"), size)
+            span = _parse_range(headers.get("range"), size) if size is not None else None
             response_headers = [
                 (b"content-type", _content_type(path)),
                 (b"content-disposition", _content_disposition(os.path.basename(path))),
@@ -206,7 +210,7 @@ class FileTransfer:
                 (b"vary", b"Accept-Encoding"),
             ]
             status = 200
-            start, end = 0, size  # [start, end)
+            start, end = 0, size  # [start, end); end None: to EOF
             if span is not None:
                 start, end = span
                 status = 206
@@ -216,7 +220,7 @@ class FileTransfer:
                 use_gzip = False  # ranges address the identity bytes
             if use_gzip:
                 response_headers.append((b"content-encoding", b"gzip"))
-            else:
+            elif end is not None:
                 response_headers.append((b"content-length", str(end - start).encode()))
             await send(
                 {"type": "http.response.start", "status": status, "headers": response_headers}
@@ -224,7 +228,13 @@ class FileTransfer:
             if scope["method"] == "HEAD":
                 await send({"type": "http.response.body", "body": b""})
                 return
-            await _stream_file(fd, start, end, use_gzip, receive, send)
+            if end is not None:
+                chunks = file_range(fd, start, end)
+            elif source.pollable:
+                chunks = pipe_to_eof(fd)
+            else:
+                chunks = file_to_eof(fd)
+            await send_chunks(chunks, use_gzip, receive, send)
         finally:
             os.close(fd)
 
@@ -306,22 +316,6 @@ class FileTransfer:
 # -- download helpers ---------------------------------------------------------------
 
 
-def _open_for_reading(path: str) -> tuple[int, int]:
-    """Open a regular file (runs as the user); returns the fd and its size."""
-    # O_NONBLOCK: opening a FIFO must not hang; it has no effect on regular files.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-        if not stat.S_ISREG(info.st_mode):
-            raise FileRequestError(400, f"path {path!r} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, info.st_size
-
-
 def _choose_encoding(accept: str | None) -> bool:
     """Whether to gzip the response; 406 if neither gzip nor identity is acceptable.
 
@@ -399,38 +393,6 @@ def _content_disposition(name: str) -> bytes:
     fallback = name.encode("ascii", "replace").decode().replace('"', "_").replace("\\", "_")
     encoded = urllib.parse.quote(name, safe="")
     return f"inline; filename=\"{fallback}\"; filename*=UTF-8''{encoded}".encode()
-
-
-async def _stream_file(
-    fd: int, start: int, end: int, use_gzip: bool, receive: Receive, send: Send
-) -> None:
-    """Send bytes [start, end) of ``fd``; stop early if the client goes away."""
-    gone = asyncio.Event()
-
-    async def watch_disconnect() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone.set()
-
-    watcher = asyncio.create_task(watch_disconnect())
-    compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    try:
-        offset = start
-        while offset < end and not gone.is_set():
-            chunk = await run_io(os.pread, fd, min(CHUNK_SIZE, end - offset), offset)
-            if not chunk:
-                break  # the file shrank while we were sending it
-            offset += len(chunk)
-            data = compressor.compress(chunk) if use_gzip else chunk
-            if data:
-                # uvicorn's send waits while the socket is congested: flow control.
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-        tail = compressor.flush() if use_gzip else b""
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
 
 
 # -- upload helpers -----------------------------------------------------------------
@@ -574,7 +536,8 @@ def _create_staging_file(target: str) -> tuple[int, str]:
     parent = os.path.dirname(target)
     os.makedirs(parent, mode=0o755, exist_ok=True)
     while True:
-        temp = os.path.join(parent, STAGING_PREFIX + secrets.token_hex(8))
+        name = staging_name(secrets.token_hex(8), replaces=existing is not None)
+        temp = os.path.join(parent, name)
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             break

@@ -8,8 +8,11 @@ relative to the watched directory. A recursive watcher adds a watch for every di
 created or moved into its tree.
 
 Uploads are staged in a hidden file beside the target and renamed over it (see
-``files``). Watchers hide the staging files and report the final rename as CREATE then
-WRITE, which is what a watcher of E2B's envd (which writes in place) sees.
+``files``). Watchers hide the staging files and report the final rename as what a
+watcher of E2B's envd sees: that envd opens the target with O_CREAT|O_TRUNC, chowns it to
+the user and writes, so a new file gives CREATE, CHMOD, WRITE (no WRITE if it is empty)
+and a replaced one CHMOD, WRITE. Whether the target existed is part of the staging file's
+name, since the rename does not say.
 
 A watcher made for a user adds its watches with that user's permissions
 (``fsaccess.call_as``): inotify_add_watch needs read permission on the directory, checked
@@ -64,6 +67,9 @@ WATCH_MASK = (
 )
 #: Name prefix of upload staging files; watchers never report them.
 STAGING_PREFIX = ".envd-upload-"
+#: What follows the prefix: whether the upload creates its target or replaces it.
+_STAGING_CREATES = "n"
+_STAGING_REPLACES = "r"
 #: Staging renames remembered per watcher (cookies whose MOVED_TO has not arrived).
 _MAX_PENDING_COOKIES = 1024
 _EVENT_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len
@@ -92,6 +98,11 @@ class WatchEvent:
     type: EventType
     #: Absolute path, for building the entry.
     path: str
+
+
+def staging_name(unique: str, *, replaces: bool) -> str:
+    """The name of an upload's staging file (``unique``: random, for this upload)."""
+    return STAGING_PREFIX + (_STAGING_REPLACES if replaces else _STAGING_CREATES) + unique
 
 
 class WatchError(OSError):
@@ -127,6 +138,13 @@ def is_network_mount(path: str) -> bool:
     return best_type in NETWORK_FS_TYPES
 
 
+def _is_empty(path: str) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_size == 0
+    except OSError:
+        return False  # already gone again: report what the upload most likely did
+
+
 class DirectoryWatcher:
     """One inotify instance following a directory (and, if recursive, its subtree).
 
@@ -150,8 +168,9 @@ class DirectoryWatcher:
         self._fd = _check(_libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         #: wd -> directory path relative to root ("" for the root).
         self._dirs: dict[int, str] = {}
-        #: Rename cookies of staging files moved away (to their upload target).
-        self._staging_cookies: set[int] = set()
+        #: Rename cookies of staging files moved away (to their upload target), and
+        #: whether that upload replaces its target.
+        self._staging_cookies: dict[int, bool] = {}
         self._closed = False
         try:
             self._follow(root, "", subtree=recursive)
@@ -248,12 +267,18 @@ class DirectoryWatcher:
             if mask & IN_MOVED_FROM and cookie:
                 if len(self._staging_cookies) >= _MAX_PENDING_COOKIES:
                     self._staging_cookies.clear()
-                self._staging_cookies.add(cookie)
+                replaces = name[len(STAGING_PREFIX) :].startswith(_STAGING_REPLACES)
+                self._staging_cookies[cookie] = replaces
             return
         if mask & IN_MOVED_TO and cookie in self._staging_cookies:
-            self._staging_cookies.discard(cookie)
-            self._emit(relative, EventType.CREATE, absolute)
-            self._emit(relative, EventType.WRITE, absolute)
+            replaces = self._staging_cookies.pop(cookie)
+            if not replaces:
+                self._emit(relative, EventType.CREATE, absolute)
+            self._emit(relative, EventType.CHMOD, absolute)
+            # Truncating the file it replaces is a write; a new file is written to only
+            # if the upload had data.
+            if replaces or not _is_empty(absolute):
+                self._emit(relative, EventType.WRITE, absolute)
             return
 
         if mask & (IN_CREATE | IN_MOVED_TO):

@@ -174,12 +174,12 @@ async def run(
 
 
 async def metrics(
-    client: httpx.AsyncClient, address: str, access_token: str | None
+    client: httpx.AsyncClient, address: str, access_token: str | None, *, timeout: float = 10
 ) -> dict[str, object]:
     """The guest's resource figures from envd's ``/metrics``."""
     headers = {"X-Access-Token": access_token} if access_token else {}
     try:
-        response = await client.get(envd_url(address, "/metrics"), headers=headers, timeout=10)
+        response = await client.get(envd_url(address, "/metrics"), headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise EnvdUnreachable(f"envd /metrics failed: {exc}") from exc
     if not response.is_success:

@@ -12,6 +12,7 @@ around every change and calls the component that does the work:
 - :mod:`.recovery`: what a previous run left;
 - :mod:`.resources`: network slots and leases, file pins and collection;
 - :mod:`.machines`: the attached VMMs; :mod:`.liveness`: those that exit on their own;
+- :mod:`.metrics`: the sandboxes' resource samples;
 - :mod:`.supervisor`: background tasks.
 
 Lifecycle: :meth:`Orchestrator.startup` (open the store, recover, start background work
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -51,12 +53,18 @@ from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
 from agentenv.orchestrator.liveness import VmmLiveness
 from agentenv.orchestrator.machines import Machines
+from agentenv.orchestrator.metrics import SAMPLE_INTERVAL_S, GuestSample, MetricsHistory
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
 from agentenv.orchestrator.sources import Source, Sources
-from agentenv.orchestrator.states import PUBLIC_STATE, VISIBLE_STATES, SandboxState
+from agentenv.orchestrator.states import (
+    PUBLIC_STATE,
+    VISIBLE_STATES,
+    SandboxState,
+    traffic_end,
+)
 from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRecord, Store, utcnow
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
@@ -109,6 +117,7 @@ class Orchestrator:
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
         self._free_space = FreeSpaceFloor(config)
+        self._metrics = MetricsHistory(self.store, self.http)
         self._operations = SandboxOperations()
         self._supervisor = Supervisor()
         self._machines = Machines(driver, self.network, self.store, accel)
@@ -182,6 +191,20 @@ class Orchestrator:
         )
         self._started = False
 
+    def on_traffic_end(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(sandbox_id, reason)`` the moment a sandbox stops taking
+        proxied traffic: a kill (or expiry) or a pause begins, or its VMM is gone.
+        ``reason`` is "killed" or "paused". The callback must be quick and must not
+        raise (it runs inside the state change)."""
+
+        def listener(event: SandboxEvent) -> None:
+            reason = traffic_end(event.new)
+            # Once per end: from a state that took traffic to one that does not.
+            if reason is not None and event.old is not None and traffic_end(event.old) is None:
+                callback(event.sandbox_id, reason)
+
+        self.store.listen(listener)
+
     @property
     def own_memory_files(self) -> bool:
         """Whether new sandboxes get RAM files of their own (decided in startup())."""
@@ -230,6 +253,7 @@ class Orchestrator:
                 self.config.repository_gc_interval,
                 self.catalog.collect_garbage_if_due,
             )
+        self._supervisor.every("metrics", SAMPLE_INTERVAL_S, self._sample_metrics)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
         self._started = True
@@ -336,6 +360,42 @@ class Orchestrator:
             if (await self.get_settled(sandbox_id)).state != "running":
                 return None  # its VMM exited while envd was being asked
             raise GuestUnavailable(f"sandbox {sandbox_id}: {exc}") from exc
+
+    async def metrics(
+        self, sandbox_id: str, start: datetime | None, until: datetime | None
+    ) -> list[GuestSample]:
+        """The sandbox's samples taken in [start, until) (None: no bound). A running
+        sandbox not sampled yet, asked about a window that reaches now, is sampled at
+        once."""
+        view = await self.get_settled(sandbox_id)
+        samples = self._metrics.between(sandbox_id, start, until)
+        now = utcnow()
+        reaches_now = (start is None or start <= now) and (until is None or until > now)
+        if samples or not reaches_now or view.state != "running":
+            return samples
+        figures = await self.guest_metrics(sandbox_id)
+        if figures is None:
+            return []
+        sample = GuestSample(now, figures)
+        self._metrics.record(sandbox_id, sample)
+        return [sample]
+
+    def latest_metrics(self, sandbox_ids: set[str]) -> dict[str, tuple[GuestSample, int]]:
+        """The latest sample, and vCPU count, of each visible sandbox named that has
+        one."""
+        latest: dict[str, tuple[GuestSample, int]] = {}
+        for sandbox_id in sandbox_ids:
+            rec = self.store.get_sandbox(sandbox_id)
+            sample = self._metrics.latest(sandbox_id)
+            if rec is not None and rec.state in VISIBLE_STATES and sample is not None:
+                latest[sandbox_id] = (sample, rec.vcpus)
+        return latest
+
+    async def _sample_metrics(self) -> None:
+        running = [
+            self._view(r) for r in self.store.list_sandboxes() if r.state == SandboxState.RUNNING
+        ]
+        await self._metrics.sample(running)
 
     async def ready_for_traffic(self, sandbox_id: str) -> SandboxView:
         """The sandbox once it can take proxied traffic: a paused sandbox created with

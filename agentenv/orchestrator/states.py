@@ -72,6 +72,23 @@ VISIBLE_STATES = frozenset(PUBLIC_STATE)
 SETTLED_STATES = frozenset({S.RUNNING, S.PAUSED})
 
 
+# Why a sandbox entering a state (None: its record removed) stops taking proxied
+# traffic: its guest is about to be killed or saved, or is already gone. Connections open
+# into it would otherwise wait on a guest that never answers again.
+_TRAFFIC_ENDS: dict[SandboxState | None, str] = {
+    S.KILLING: "killed",
+    None: "killed",
+    S.PAUSING: "paused",
+    S.PAUSED: "paused",
+}
+
+
+def traffic_end(new: SandboxState | None) -> str | None:
+    """Why entering ``new`` ends the sandbox's proxied traffic ("killed", "paused"),
+    or None when the sandbox goes on taking it (a snapshot or fork keeps it running)."""
+    return _TRAFFIC_ENDS.get(new)
+
+
 def allowed(old: SandboxState, new: SandboxState) -> bool:
     return new in TRANSITIONS[old]
 

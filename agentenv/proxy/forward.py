@@ -19,7 +19,8 @@ forwarded byte for byte, so the guest sees the path that was checked. envd's con
 (refused only where the HTTP client would change what they mean).
 Bodies stream in both directions without buffering (each side waits for the other to
 drain, so a slow reader slows the writer instead of filling memory), which is what Connect
-server streams, large uploads and downloads need.
+server streams, large uploads and downloads need. When a sandbox is killed, expires or is
+paused, every exchange open into it ends at once (see ``endings``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import contextlib
 import hmac
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import websockets
@@ -44,13 +45,23 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
-from agentenv.orchestrator.errors import OrchestratorError, SandboxNotFound
+from agentenv.orchestrator.errors import Conflict, OrchestratorError, SandboxNotFound
 from agentenv.orchestrator.network_options import traffic_token_matches
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.views import SandboxView
+from agentenv.proxy.endings import (
+    ConnectFraming,
+    Ending,
+    TrafficEndings,
+    end_stream_error,
+    gone_message,
+    is_connect_stream,
+)
 from agentenv.proxy.paths import PathRefused, RequestPath
 
 log = logging.getLogger("agentenv.proxy")
+
+T = TypeVar("T")
 
 _HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[a-z0-9]+)\.(?P<domain>.+)$")
 # Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded, nor are the ones the
@@ -148,6 +159,21 @@ class SandboxProxy:
         # a kept-alive connection to a killed sandbox must never carry a new one's traffic.
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._endings = TrafficEndings()
+        orchestrator.on_traffic_end(self._traffic_ended)
+
+    def _traffic_ended(self, sandbox_id: str, reason: str) -> None:
+        """The sandbox is being killed or paused: end its exchanges and drop its
+        connection pool now, while the lifecycle goes on."""
+        self._endings.end(sandbox_id, reason)
+        client = self._clients.pop(sandbox_id, None)
+        if client is not None:
+            self._close_later(client)
+
+    def _close_later(self, client: httpx.AsyncClient) -> None:
+        task = asyncio.get_running_loop().create_task(client.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _client_for(self, sandbox_id: str) -> httpx.AsyncClient:
         client = self._clients.get(sandbox_id)
@@ -165,10 +191,7 @@ class SandboxProxy:
     def _drop_stale_clients(self) -> None:
         live = {v.sandbox_id for v in self.orchestrator.list_sandboxes()}
         for sandbox_id in [s for s in self._clients if s not in live]:
-            client = self._clients.pop(sandbox_id)
-            task = asyncio.get_running_loop().create_task(client.aclose())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_later(self._clients.pop(sandbox_id))
 
     async def aclose(self) -> None:
         for client in self._clients.values():
@@ -195,6 +218,11 @@ class SandboxProxy:
             # E2B's edge answers unknown sandboxes with 502; the SDK reads that as "the
             # sandbox is not running" (is_running() -> False).
             return Refusal(502, f"The sandbox {target.sandbox_id} was not found")
+        except Conflict as exc:
+            # Paused (and not resumed on traffic). E2B's edge does not find a paused
+            # sandbox either, and the SDK's health probe counts only "was not found"
+            # as the sandbox not running.
+            return Refusal(502, f"The sandbox {target.sandbox_id} was not found ({exc})")
         except OrchestratorError as exc:
             return Refusal(502, f"The sandbox {target.sandbox_id} is not running: {exc}")
         if target.port != ENVD_PORT:
@@ -226,6 +254,8 @@ class SandboxProxy:
         admitted = await self.admit(target, path, request.headers)
         if isinstance(admitted, Refusal):
             return admitted.response()
+        # In the same step as admit's last look at the sandbox (no await in between).
+        ending = self._endings.current(target.sandbox_id)
         url = upstream_url(admitted.guest_address, target.port, path, request.scope)
         if isinstance(url, Refusal):
             return url.response()
@@ -240,7 +270,7 @@ class SandboxProxy:
             content=request.stream() if has_body else None,
         )
         try:
-            upstream = await client.send(upstream_request, stream=True)
+            sent = await _until_ended(client.send(upstream_request, stream=True), ending)
         except httpx.ConnectError:
             return Refusal(
                 502, f"port {target.port} in sandbox {target.sandbox_id} is not open"
@@ -248,11 +278,16 @@ class SandboxProxy:
         except httpx.HTTPError as exc:
             reason = str(exc) or type(exc).__name__
             return Refusal(502, f"sandbox {target.sandbox_id} did not answer: {reason}").response()
+        if sent is None:
+            return Refusal(502, gone_message(target.sandbox_id, ending.reason or "")).response()
+        upstream = sent[0]
         response_headers = {
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
         }
+        content_type = upstream.headers.get("content-type")
+        framing = ConnectFraming() if is_connect_stream(content_type) else None
         return StreamingResponse(
-            _relay_body(upstream, target),
+            _relay_body(upstream, target, ending, framing),
             status_code=upstream.status_code,
             headers=response_headers,
             background=BackgroundTask(upstream.aclose),
@@ -273,6 +308,7 @@ class SandboxProxy:
         if isinstance(admitted, Refusal):
             await _deny_websocket(send, admitted)
             return
+        ending = self._endings.current(target.sandbox_id)  # the same step as admit's check
         query = scope.get("query_string", b"").decode("latin-1")
         masked = _masked_host(admitted, target)
         # The client sends the URL's host as Host: a masked Host goes in the URL and the
@@ -305,11 +341,19 @@ class SandboxProxy:
                 asyncio.create_task(_client_to_upstream(receive, upstream)),
                 asyncio.create_task(_upstream_to_client(upstream, send)),
             ]
-            _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
+            waiters: list[asyncio.Future[Any]] = [*pumps, ending.future()]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for task in pumps:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            if ending.reason is not None:
+                # 1001: the endpoint is going away. The guest is not waited for: it will
+                # not answer a close handshake.
+                reason = gone_message(target.sandbox_id, ending.reason)
+                with contextlib.suppress(Exception):
+                    await send({"type": "websocket.close", "code": 1001, "reason": reason})
+                upstream.close_timeout = 0
 
 
 def _masked_host(view: SandboxView, target: ProxyTarget) -> str | None:
@@ -353,20 +397,79 @@ def upstream_url(address: str, port: int, path: RequestPath, scope: Scope) -> ht
     return url
 
 
-async def _relay_body(upstream: httpx.Response, target: ProxyTarget) -> AsyncIterator[bytes]:
-    """The upstream body as it arrives. The status line is already on its way to the
-    client, so a guest that drops the connection mid-body can only end the stream early:
-    log it and stop, rather than abort the client's connection with a traceback."""
+class ExchangeCut(Exception):
+    """A response cannot be finished: the client's connection is to be dropped, so it
+    sees a broken transfer rather than a complete but short one."""
+
+
+async def _until_ended(work: Awaitable[T], ending: Ending) -> tuple[T] | None:
+    """``(result,)`` of ``work``, or None if the sandbox's traffic ends first (``work``
+    is cancelled then)."""
+    if ending.reason is not None:
+        if asyncio.iscoroutine(work):
+            work.close()
+        return None
+    task = asyncio.ensure_future(work)
     try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        log.warning(
-            "sandbox %s port %d closed mid-response: %s",
-            target.sandbox_id,
-            target.port,
-            str(exc) or type(exc).__name__,
-        )
+        waiters: list[asyncio.Future[Any]] = [task, ending.future()]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        return None
+    return (task.result(),)
+
+
+async def _relay_body(
+    upstream: httpx.Response,
+    target: ProxyTarget,
+    ending: Ending,
+    framing: ConnectFraming | None,
+) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives, until it ends or the sandbox's traffic does.
+
+    The status line is already on its way to the client, so a body that cannot be
+    finished (the sandbox was killed or paused, or the guest dropped the connection)
+    ends a Connect stream with an error message when it stopped between messages, and
+    otherwise raises :class:`ExchangeCut`: a clean end would pass a truncated download
+    or an unfinished command off as complete."""
+    chunks = upstream.aiter_raw()
+    try:
+        while True:
+            try:
+                step = await _until_ended(anext(chunks, None), ending)
+            except httpx.HTTPError as exc:
+                reason = str(exc) or type(exc).__name__
+                log.warning(
+                    "sandbox %s port %d closed mid-response: %s",
+                    target.sandbox_id,
+                    target.port,
+                    reason,
+                )
+                message = (
+                    f"the connection to sandbox {target.sandbox_id} ended before the "
+                    f"stream completed: {reason}"
+                )
+            else:
+                if step is not None:
+                    chunk = step[0]
+                    if chunk is None:
+                        return
+                    if framing is not None:
+                        framing.feed(chunk)
+                    yield chunk
+                    continue
+                message = gone_message(target.sandbox_id, ending.reason or "")
+            if framing is not None and framing.between_messages:
+                if not framing.ended:
+                    yield end_stream_error(message)
+                return
+            raise ExchangeCut(message)
+    finally:
+        await upstream.aclose()
 
 
 async def _deny_websocket(send: Send, refusal: Refusal) -> None:
@@ -438,7 +541,12 @@ class SandboxTrafficMiddleware:
                 if scope["type"] == "http":
                     request = Request(scope, receive)
                     response = await self.proxy.forward(request, target)
-                    await response(scope, receive, send)
+                    try:
+                        await response(scope, receive, send)
+                    except ExchangeCut as cut:
+                        # Returning with the response unfinished makes the server drop
+                        # the connection (uvicorn logs one line saying so).
+                        log.info("sandbox %s: response cut short: %s", target.sandbox_id, cut)
                 else:
                     await self.proxy.forward_websocket(scope, receive, send, target)
                 return

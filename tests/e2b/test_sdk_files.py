@@ -182,6 +182,42 @@ def test_watch_dir_recursive_sync(sbx: Sandbox) -> None:
         watcher.stop()
 
 
+def test_files_of_unknown_size_read_to_eof(sbx: Sandbox) -> None:
+    """procfs and sysfs files say 0 bytes or a page whatever they hold; cat reads them."""
+    for path in (
+        "/proc/version",
+        "/proc/sys/kernel/random/boot_id",
+        "/sys/devices/system/cpu/online",
+    ):
+        expected = sbx.commands.run(f"cat {path}").stdout
+        assert expected.strip()
+        assert sbx.files.read(path) == expected
+
+
+def test_uploads_give_e2b_envds_watch_events(sbx: Sandbox) -> None:
+    """E2B's envd creates an upload's target, chowns it to the user, then writes."""
+    sbx.files.make_dir("/home/user/uwatch")
+    sbx.files.write("/home/user/uwatch/old.txt", "old")
+    watcher = sbx.files.watch_dir("/home/user/uwatch")
+    try:
+        sbx.files.write("/home/user/uwatch/new.txt", "new")
+        sbx.files.write("/home/user/uwatch/old.txt", "replaced")
+        seen: list[tuple[str, FilesystemEventType]] = []
+        deadline = time.monotonic() + 20
+        while ("old.txt", FilesystemEventType.WRITE) not in seen and time.monotonic() < deadline:
+            seen += [(e.name, e.type) for e in watcher.get_new_events()]
+            time.sleep(0.2)
+        assert seen == [
+            ("new.txt", FilesystemEventType.CREATE),
+            ("new.txt", FilesystemEventType.CHMOD),
+            ("new.txt", FilesystemEventType.WRITE),
+            ("old.txt", FilesystemEventType.CHMOD),
+            ("old.txt", FilesystemEventType.WRITE),
+        ]
+    finally:
+        watcher.stop()
+
+
 def test_watch_missing_dir(sbx: Sandbox) -> None:
     with pytest.raises(FileNotFoundException):
         sbx.files.watch_dir("/home/user/no-such-dir")
