@@ -402,3 +402,24 @@ async def test_openapi_lists_every_status_and_the_limits(api: httpx.AsyncClient)
     listing = doc["paths"]["/v2/sandboxes"]["get"]
     token = next(p for p in listing["parameters"] if p["name"] == "nextToken")
     assert token["schema"]["anyOf"][0]["maxLength"] == 256
+
+
+async def test_openapi_links_a_create_to_the_routes_of_its_sandbox(api: httpx.AsyncClient) -> None:
+    doc = (await api.get("/openapi.json")).json()
+    links = doc["paths"]["/sandboxes"]["post"]["responses"]["201"]["links"]
+    operation_ids = {
+        operation["operationId"]: (method, path)
+        for path, item in doc["paths"].items()
+        for method, operation in item.items()
+    }
+    linked = {operation_ids[link["operationId"]] for link in links.values()}
+    assert {
+        ("get", "/sandboxes/{sandbox_id}"),
+        ("delete", "/sandboxes/{sandbox_id}"),
+        ("post", "/sandboxes/{sandbox_id}/pause"),
+        ("post", "/sandboxes/{sandbox_id}/connect"),
+        ("post", "/sandboxes/{sandbox_id}/fork"),
+    } <= linked
+    assert all(path.count("{") == 1 for _, path in linked)
+    for link in links.values():
+        assert link["parameters"] == {"sandbox_id": "$response.body#/sandboxID"}

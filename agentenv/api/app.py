@@ -27,6 +27,7 @@ from agentenv.api.errors import (
     http_status,
     install_error_handlers,
 )
+from agentenv.api.links import add_links
 from agentenv.api.models import (
     ConnectRequest,
     ErrorBody,
@@ -105,6 +106,14 @@ def create_app(
     app.state.builds = builds
 
     install_error_handlers(app)
+    documented = app.openapi
+
+    def openapi_with_links() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            add_links(documented())  # the document is made once and kept
+        return documented()
+
+    app.openapi = openapi_with_links  # type: ignore[method-assign]
     # Bodies of control-plane requests are bound; template uploads stream archives and
     # are not. Added first, so it runs inside the proxy's middleware: sandbox traffic
     # (envd file uploads) never reaches it.
