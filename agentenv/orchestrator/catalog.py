@@ -12,9 +12,10 @@ by one node at a time: whoever resumes generation ``g`` of it first claims
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -66,7 +67,6 @@ class Catalog:
             self.memo,
             config.image_cache,
             KnownChunks(config.cache_dir / "known-chunks.json"),
-            holder=self.node,
         )
         self.fetcher = Fetcher(self.repository, self.cache, self.memo, config.image_cache, pinned)
         self._fetching: dict[str, asyncio.Lock] = {}
@@ -113,6 +113,18 @@ class Catalog:
 
     async def name_holder(self, name: str) -> str | None:
         return await _guard("reading names", self.repository.resolve_name(name))
+
+    @contextlib.asynccontextmanager
+    async def commit_lease(self) -> AsyncIterator[None]:
+        """Held from a commit's first push until its record is written, so that no
+        garbage collection on any node sweeps meanwhile (see
+        :mod:`agentenv.snapshots.leases`); it waits while one runs."""
+        lease = self.repository.commit_lease(self.node)
+        await _guard("waiting for the repository's garbage collection", lease.__aenter__())
+        try:
+            yield
+        finally:
+            await lease.__aexit__(None, None, None)
 
     async def publish(self, snap: MachineSnapshot, **files: Path | None) -> Published:
         return await _guard(

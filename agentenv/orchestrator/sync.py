@@ -129,25 +129,26 @@ class RepositorySync:
         started = time.perf_counter()
         log.info("committing %s %s to %s", rec.kind, snapshot_id, self.catalog.url)
         snap = MachineSnapshot.load(rec.snapshot_dir)
-        published = await self.catalog.publish(snap)
-        entry = SnapshotEntry(
-            id=rec.snapshot_id,
-            type=rec.kind,
-            names=[rec.name] if rec.name else [],
-            sandbox_id=rec.sandbox_id,
-            template_id=rec.template_id,
-            parent_id=rec.parent_id,
-            metadata=rec.metadata,
-            created_at=rec.created_at,
-            node=self.catalog.node,
-            vcpus=snap.vcpus,
-            memory_mib=snap.memory_mib,
-            disk_size_mib=snap.disk_size_mib,
-            envd_version=snap.envd_version,
-            manifest=published.manifest,
-            blobs=published.blobs,
-        )
-        await self.catalog.commit(entry, replace_names=rec.kind == "template")
+        async with self.catalog.commit_lease():
+            published = await self.catalog.publish(snap)
+            entry = SnapshotEntry(
+                id=rec.snapshot_id,
+                type=rec.kind,
+                names=[rec.name] if rec.name else [],
+                sandbox_id=rec.sandbox_id,
+                template_id=rec.template_id,
+                parent_id=rec.parent_id,
+                metadata=rec.metadata,
+                created_at=rec.created_at,
+                node=self.catalog.node,
+                vcpus=snap.vcpus,
+                memory_mib=snap.memory_mib,
+                disk_size_mib=snap.disk_size_mib,
+                envd_version=snap.envd_version,
+                manifest=published.manifest,
+                blobs=published.blobs,
+            )
+            await self.catalog.commit(entry, replace_names=rec.kind == "template")
         SnapshotDir(rec.snapshot_dir).mark_committed()
         log.info(
             "%s %s committed to %s in %.0f ms",
@@ -285,47 +286,48 @@ class RepositorySync:
         generation = upload.generation
         files = SnapshotFiles.from_json(directory.paused_manifest.read_text())
         source = replace(self.sources.of_sandbox(rec), files=files)
-        published = await self.catalog.publish(
-            source,
-            state_file=files.state_file,
-            memory_file=directory.frozen_memory if files.memory_file is not None else None,
-            disk=directory.frozen_disk,
-        )
-        holder = await self.catalog.holder(sandbox_id, generation)
-        if holder not in (None, self.catalog.node):
-            return  # taken meanwhile by a node that had an earlier upload of it
-        entry = PausedEntry(
-            sandbox_id=sandbox_id,
-            generation=generation,
-            node=self.catalog.node,
-            template_id=rec.template_id,
-            template_build_id=rec.template_build_id,
-            snapshot_id=rec.snapshot_id,
-            parent_id=rec.parent_id,
-            metadata=rec.metadata,
-            env_vars=rec.env_vars,
-            # Only a token from before tokens were derived travels as it is: the node
-            # that resumes it could not compute it.
-            envd_token=(
-                None
-                if rec.envd_token is None
-                or self.store.tokens.is_derived(sandbox_id, rec.envd_token)
-                else rec.envd_token
-            ),
-            envd_token_sha256=token_digest(rec.envd_token) if rec.envd_token else None,
-            auto_pause=rec.auto_pause,
-            auto_resume=rec.auto_resume,
-            allow_internet=rec.network.egress.allow_internet,
-            network=rec.network.to_dict(),
-            traffic_token_sha256=token_digest(rec.traffic_token) if rec.traffic_token else None,
-            envd_version=rec.envd_version,
-            started_at=rec.started_at,
-            end_at=rec.end_at,
-            paused_at=utcnow(),
-            manifest=published.manifest,
-            blobs=published.blobs,
-        )
-        await self.catalog.put_paused(entry)
+        async with self.catalog.commit_lease():
+            published = await self.catalog.publish(
+                source,
+                state_file=files.state_file,
+                memory_file=directory.frozen_memory if files.memory_file is not None else None,
+                disk=directory.frozen_disk,
+            )
+            holder = await self.catalog.holder(sandbox_id, generation)
+            if holder not in (None, self.catalog.node):
+                return  # taken meanwhile by a node that had an earlier upload of it
+            entry = PausedEntry(
+                sandbox_id=sandbox_id,
+                generation=generation,
+                node=self.catalog.node,
+                template_id=rec.template_id,
+                template_build_id=rec.template_build_id,
+                snapshot_id=rec.snapshot_id,
+                parent_id=rec.parent_id,
+                metadata=rec.metadata,
+                env_vars=rec.env_vars,
+                # Only a token from before tokens were derived travels as it is: the node
+                # that resumes it could not compute it.
+                envd_token=(
+                    None
+                    if rec.envd_token is None
+                    or self.store.tokens.is_derived(sandbox_id, rec.envd_token)
+                    else rec.envd_token
+                ),
+                envd_token_sha256=token_digest(rec.envd_token) if rec.envd_token else None,
+                auto_pause=rec.auto_pause,
+                auto_resume=rec.auto_resume,
+                allow_internet=rec.network.egress.allow_internet,
+                network=rec.network.to_dict(),
+                traffic_token_sha256=token_digest(rec.traffic_token) if rec.traffic_token else None,
+                envd_version=rec.envd_version,
+                started_at=rec.started_at,
+                end_at=rec.end_at,
+                paused_at=utcnow(),
+                manifest=published.manifest,
+                blobs=published.blobs,
+            )
+            await self.catalog.put_paused(entry)
         directory.set_upload_state(UploadState("committed", generation))
         shutil.rmtree(directory.frozen, ignore_errors=True)
         log.info(

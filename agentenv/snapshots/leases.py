@@ -6,8 +6,9 @@ same time could delete the chunk after the push found it and before the push's m
 names it, leaving a blob that can never be read. Nodes share nothing but the store, so
 the exclusion goes through it:
 
-- A node pushing holds a **commit lease**, ``gc/leases/<random>.json``, written before
-  its first look at the store and rewritten while it pushes, deleted when it is done.
+- A node committing holds a **commit lease**, ``gc/leases/<random>.json``, written
+  before its first look at the store and rewritten while it pushes, deleted once the
+  catalog record naming what it pushed is written.
 - A collection holds the **collection lock**, ``gc/lock.json``, created only if absent.
 - A pusher writes its lease, then reads the lock: if a live lock is there it withdraws
   the lease and waits. A collector takes the lock, then waits until no live lease is
@@ -20,8 +21,8 @@ the exclusion goes through it:
   :data:`CLOCK_SKEW_S`, which both sides add in the other's favour. A collector that
   could not rewrite its lock in time stops before its next deletion.
 
-What a push stored but no catalog record names yet (a commit between its push and its
-record) is protected by the collection's grace period, not by a lease.
+The collection's grace period still keeps whatever was written recently, for writers
+that hold no lease.
 
 This module knows the store and nothing of what the repository keeps in it.
 """

@@ -135,10 +135,8 @@ class Publisher:
         memo: DigestMemo,
         image_cache: Path,
         known: KnownChunks,
-        holder: str = "agentenv",
     ) -> None:
         self.repository = repository
-        self.holder = holder  # who holds the commit lease (the node's name)
         self.memo = memo
         self.image_cache = image_cache
         self.known = known
@@ -191,14 +189,14 @@ class Publisher:
         """Push ``snap``'s files (or the given replacements: a paused sandbox's frozen
         state, RAM and disk top) and return its manifest. Nothing is recorded: the caller
         commits by writing a catalog record that names the blobs."""
-        # Under a commit lease: no garbage collection sweeps while this push relies on
-        # chunks and blobs it finds stored. The epoch is read once the lease is held.
-        async with self.repository.commit_lease(self.holder):
-            self.known.check_epoch(await self.repository.gc_epoch())
-            try:
-                return await self._publish(snap, state_file, memory_file, disk)
-            finally:
-                self.known.save()
+        # The caller holds a commit lease (Repository.commit_lease) from here until its
+        # record is written: no garbage collection sweeps while this push relies on
+        # chunks and blobs it finds stored. The epoch is read under it.
+        self.known.check_epoch(await self.repository.gc_epoch())
+        try:
+            return await self._publish(snap, state_file, memory_file, disk)
+        finally:
+            self.known.save()
 
     async def _publish(
         self,

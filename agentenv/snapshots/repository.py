@@ -244,8 +244,9 @@ class Repository:
         return age is None or age >= grace_s
 
     def commit_lease(self, holder: str, *, wait_s: float = 600.0) -> CommitLease:
-        """Held around a push (``async with``) so that no garbage collection sweeps while
-        it runs: see :mod:`agentenv.snapshots.leases`."""
+        """Held (``async with``) from a commit's first push until its record is written,
+        so that no garbage collection sweeps meanwhile: see
+        :mod:`agentenv.snapshots.leases`."""
         return CommitLease(self.store, holder, wait_s=wait_s)
 
     async def collect_garbage(
