@@ -233,17 +233,21 @@ class LocalCluster:
         try:
             for proc in self.procs.values():
                 proc.start()
+                if proc.name == "redis":
+                    self._wait_for_port(self.redis_port, proc)
             self.save()
             self._wait_ready(wait)
         except BaseException:
             self.down()
             raise
 
-    def _wait_ready(self, wait: float) -> None:
+    def _wait_ready(self, wait: float, names: set[str] | None = None) -> None:
+        """Wait for the processes ``names`` (default: all) to serve, and for the nodes
+        among them to be up in the scheduler."""
         deadline = time.monotonic() + wait
         with httpx.Client(trust_env=False, timeout=5) as http:
             for name, proc in self.procs.items():
-                if name == "redis":
+                if name == "redis" or not proc.alive() or (names and name not in names):
                     continue
                 url = {"scheduler": self.scheduler_url, "gateway": self.gateway_url}.get(
                     name, f"http://{proc.env.get('AENV_LISTEN')}"
@@ -254,10 +258,25 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise ClusterStartError(f"{name} not ready in {wait}s:\n{proc.tail()}")
                     time.sleep(0.3)
-            while len(self.nodes_up(http)) < self.nodes:
+            nodes = {
+                name
+                for name, proc in self.procs.items()
+                if name.startswith("node-") and proc.alive() and (not names or name in names)
+            }
+            while not nodes <= set(self.nodes_up(http)):
                 if time.monotonic() > deadline:
                     raise ClusterStartError("nodes did not all register with the scheduler")
                 time.sleep(0.3)
+
+    @staticmethod
+    def _wait_for_port(port: int, proc: Proc, wait: float = 30.0) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                return
+            if not proc.alive() or time.monotonic() > deadline:
+                raise ClusterStartError(f"{proc.name} is not listening on {port}:\n{proc.tail()}")
+            time.sleep(0.05)
 
     @staticmethod
     def _ready(http: httpx.Client, name: str, url: str) -> bool:
@@ -283,6 +302,14 @@ class LocalCluster:
             return [n["report"]["nodeID"] for n in nodes.json() if n["state"] == "up"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return []
+
+    def restart(self, name: str, wait: float = 60.0) -> None:
+        """Stop the process ``name`` (``scheduler``, ``gateway``, ...) and start it again."""
+        proc = self.procs[name]
+        proc.stop()
+        proc.start()
+        self.save()
+        self._wait_ready(wait, names={name})
 
     def kill_sandboxes(self) -> None:
         """Kill every sandbox on every node that still answers (their VMMs would

@@ -65,7 +65,12 @@ def create_scheduler_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await registry.load()
+        try:
+            await registry.load()
+        except BindingStoreUnavailable as exc:
+            # Serve anyway: heartbeats bring the nodes back, and bindings are answered
+            # (503) once the store is reachable again.
+            log.warning("nodes not loaded: %s", exc)
         task = asyncio.get_running_loop().create_task(sweep())
         try:
             yield
