@@ -150,7 +150,7 @@ class Config(BaseModel):
     # agentenv.cluster); None: a node on its own, no heartbeats.
     scheduler_url: str | None = None
     # The URL gateways reach this node at, reported in heartbeats; None: http://{listen}.
-    advertise_url: str | None = None
+    node_url: str | None = None
     # Seconds between heartbeats; the scheduler marks a node down after several missed.
     heartbeat_interval: float = Field(default=2.0, gt=0)
     # Registries reached over plain HTTP / without TLS verification, comma-separated

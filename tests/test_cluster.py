@@ -16,7 +16,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.cluster.local import LocalCluster
-from tests.helpers import cleanup_host
+from tests.helpers import cleanup_host, envelope
 
 pytestmark = pytest.mark.vm
 
@@ -132,6 +132,32 @@ def test_listing_pages_across_both_nodes(
     assert sorted(seen) == sorted(s.sandbox_id for s in pair)
     with gateway(cluster) as api:
         assert {d["sandboxID"] for d in api.get("/sandboxes").json()} == set(seen)
+
+
+def test_fork_children_are_bound_to_the_parents_node(
+    cluster: LocalCluster, pair: list[Sandbox]
+) -> None:
+    parent = pair[0]
+    with gateway(cluster) as api:
+        forked = api.post(f"/sandboxes/{parent.sandbox_id}/fork", json={"count": 1})
+        assert forked.status_code == 201, forked.text
+        child = forked.json()[0]["sandbox"]["sandboxID"]
+        try:
+            assert owner(cluster, child) == owner(cluster, parent.sandbox_id)
+            token = forked.json()[0]["sandbox"]["envdAccessToken"]
+            ran = api.post(
+                "/process.Process/Start",
+                content=envelope({"process": {"cmd": "/bin/true"}, "stdin": False}),
+                headers={
+                    "Content-Type": "application/connect+json",
+                    "Connect-Protocol-Version": "1",
+                    "E2b-Sandbox-Id": child,
+                    "X-Access-Token": token,
+                },
+            )
+            assert ran.status_code == 200, ran.text
+        finally:
+            assert api.delete(f"/sandboxes/{child}").status_code == 204
 
 
 def test_a_scheduler_restart_with_redis_loses_no_binding(

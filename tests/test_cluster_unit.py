@@ -356,3 +356,34 @@ async def test_gateway_nodes_need_the_key(
     one = await client.get("/nodes/b", headers={"X-API-Key": KEY})
     assert one.json()["state"] == "up"
     assert (await client.get("/nodes/zz", headers={"X-API-Key": KEY})).status_code == 404
+
+
+async def test_an_unreachable_scheduler_is_a_503() -> None:
+    port = free_port()  # nothing listens there
+    gw = Gateway(SchedulerClient(f"http://127.0.0.1:{port}", KEY), KEY, None)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gw), base_url="http://gw.test"
+    ) as client:
+        for answer in (
+            await client.get("/sandboxes/iabc"),
+            await client.get("/", headers={"E2b-Sandbox-Id": "iabc"}),
+            await client.post("/sandboxes", json={"templateID": "base"}),
+        ):
+            assert answer.status_code == 503
+            assert "scheduler" in answer.json()["message"]
+    await gw.aclose()
+
+
+async def test_an_unreachable_redis_is_a_503_from_the_scheduler() -> None:
+    reg = registry(Clock(), RedisBindings(f"redis://127.0.0.1:{free_port()}/0"))
+    app = create_scheduler_app(reg, KEY)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://scheduler.test"
+    ) as client:
+        answer = await client.get("/bindings/iabc", headers={"X-API-Key": KEY})
+        assert answer.status_code == 503 and "unavailable" in answer.json()["message"]
+        beat = await client.post(
+            "/heartbeats", json=report("a").model_dump(by_alias=True), headers={"X-API-Key": KEY}
+        )
+        assert beat.status_code == 503
+    await reg.store.aclose()

@@ -126,11 +126,6 @@ class LocalCluster:
     def node_name(self, index: int) -> str:
         return f"node-{index}"
 
-    def node_url(self, index: int) -> str:
-        return (
-            f"http://127.0.0.1:{self.procs[self.node_name(index)].env['AENV_LISTEN'].split(':')[1]}"
-        )
-
     def client_env(self) -> dict[str, str]:
         """What a client exports to use the cluster with the e2b SDK or ``aenv``."""
         return {
