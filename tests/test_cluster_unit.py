@@ -318,13 +318,20 @@ async def test_gateway_places_binds_and_routes_to_the_owner(
 async def test_gateway_lists_across_nodes_with_paging(
     gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
 ) -> None:
-    client, _nodes, _ = gateway
+    client, nodes, reg = gateway
     for _ in range(3):
         await client.post("/sandboxes", json={"templateID": "base"})
     everything = (await client.get("/v2/sandboxes")).json()
     assert len(everything) == 3
     page = await client.get("/v2/sandboxes", params={"limit": 2})
     assert len(page.json()) == 2 and page.headers["x-next-token"]
+    assert "x-aenv-nodes-down" not in page.headers
+    reg.clock.now += 60  # type: ignore[attr-defined]
+    await reg.heartbeat(report("a", sandboxes=[s["sandboxID"] for s in nodes.sandboxes["a"]]))
+    reg.mark_silent_down()
+    partial = await client.get("/v2/sandboxes")
+    assert partial.headers["x-aenv-nodes-down"] == "b"
+    assert len(partial.json()) == len(nodes.sandboxes["a"])
 
 
 async def test_a_sandbox_on_a_dead_node_is_503_node_unavailable(
@@ -387,3 +394,78 @@ async def test_an_unreachable_redis_is_a_503_from_the_scheduler() -> None:
         )
         assert beat.status_code == 503
     await reg.store.aclose()
+
+
+# -- WebSockets through a served gateway to a served fake node --------------------------------
+class ServedApp:
+    """An ASGI app served by uvicorn on a free port, in a thread, for the block."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+
+    def __enter__(self) -> ServedApp:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def echo_node() -> Any:
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+    from starlette.websockets import WebSocket
+
+    async def echo(ws: WebSocket) -> None:
+        await ws.accept()
+        seen = f"{ws.headers.get('host')} {ws.headers.get('e2b-sandbox-id')}"
+        await ws.send_text(seen)
+        async for text in ws.iter_text():
+            await ws.send_text(text.upper())
+
+    return Starlette(routes=[WebSocketRoute("/ws", echo)])
+
+
+def test_websockets_pass_through_the_gateway_both_ways() -> None:
+    import asyncio
+
+    from websockets.sync.client import connect
+
+    with ServedApp(echo_node()) as node:
+        clock = Clock()
+        reg = registry(clock)
+        scheduler_app = create_scheduler_app(reg, KEY)
+        scheduler_client = SchedulerClient(
+            "http://scheduler.test", KEY, transport=httpx.ASGITransport(app=scheduler_app)
+        )
+        gw = Gateway(scheduler_client, KEY, "gw.test")
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=f"http://127.0.0.1:{node.port}"))
+            await reg.bind("iws", "a")
+
+        asyncio.run(register())
+        with ServedApp(gw) as served:
+            url = f"ws://127.0.0.1:{served.port}/ws"
+            with connect(url, additional_headers={"E2b-Sandbox-Id": "iws"}) as ws:
+                assert ws.recv(timeout=10) == f"127.0.0.1:{served.port} iws"
+                ws.send("hello")
+                assert ws.recv(timeout=10) == "HELLO"
+            # By Host name: the node sees the name the client used.
+            import socket
+
+            sock = socket.create_connection(("127.0.0.1", served.port))
+            with connect("ws://3000-iws.gw.test/ws", sock=sock) as ws:
+                assert ws.recv(timeout=10) == "3000-iws.gw.test None"

@@ -8,7 +8,8 @@ scheduler, so several gateways can run against one scheduler.
   sandbox bound to no node goes to any node, which adopts it from the repository if it was
   paused and committed elsewhere, and it is bound there.
 - Listings (``GET /sandboxes``, ``/v2/sandboxes``) merge every up node's, paged as one
-  node would page them (``listing``). Snapshot, template and other routes go to one
+  node would page them (``listing``); ``X-Aenv-Nodes-Down`` names the down nodes whose
+  sandboxes are missing. Snapshot, template and other routes go to one
   healthy node (the same one while it is up, so a template build's polls find it).
 - Sandbox traffic (``E2b-Sandbox-Id`` headers, ``{port}-{id}.{domain}`` hosts) is relayed
   to the owning node's proxy as it came (headers and Host kept), streaming both ways,
@@ -75,6 +76,8 @@ _LISTING = frozenset({"/sandboxes", "/v2/sandboxes"})
 # Hop-by-hop headers are the connection's; Host is kept, so a node routes
 # `{port}-{id}.{domain}` names as it would have without the gateway.
 _NOT_FORWARDED = HOP_BY_HOP - {"host"}
+# On listings: the nodes that are down, whose sandboxes the listing lacks.
+_MISSING_NODES_HEADER = "X-Aenv-Nodes-Down"
 
 
 class NodeUnavailable(Exception):
@@ -309,7 +312,12 @@ class Gateway:
         return await self._relay(request, node, sandbox_id)
 
     async def _listing(self, request: Request) -> Response:
-        nodes = await self._up_nodes()
+        every = await self.scheduler.nodes()
+        nodes = [n for n in every if n.state is NodeState.UP]
+        # Down nodes' sandboxes cannot be listed; the answer says whose are missing.
+        missing = {
+            _MISSING_NODES_HEADER: ",".join(n.node_id for n in every if n.state is not NodeState.UP)
+        }
         query = request.url.query
         headers = _node_headers(request.headers)
 
@@ -328,13 +336,16 @@ class Gateway:
             if answer.status_code != 200:
                 return _replay(answer, answer.content)
         pages = [answer.json() for answer in answers]
+        headers_out = missing if missing[_MISSING_NODES_HEADER] else {}
         if request.url.path == "/sandboxes":
-            return JSONResponse([item for page in pages for item in page])
+            return JSONResponse([item for page in pages for item in page], headers=headers_out)
         limit_text = request.query_params.get("limit")
         limit = int(limit_text) if limit_text and limit_text.isdigit() else None
         more = any(NEXT_TOKEN_HEADER in answer.headers for answer in answers)
         items, token = merge_pages(pages, limit, more)
-        return JSONResponse(items, headers={"X-Next-Token": token} if token else None)
+        if token:
+            headers_out["X-Next-Token"] = token
+        return JSONResponse(items, headers=headers_out)
 
     async def _nodes(self, request: Request) -> Response:
         if not self._authorised(request.headers):
@@ -436,7 +447,8 @@ class Gateway:
             _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            # Collected, the finished pump's too: a client gone mid-send is how it ends.
+            await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def _response_headers(upstream: httpx.Response) -> dict[str, str]:
