@@ -192,11 +192,24 @@ def test_kill_through_the_gateway(
     assert listed == [pair[0].sandbox_id]
 
 
-def test_a_killed_node_makes_its_sandbox_answer_503_node_unavailable(
-    cluster: LocalCluster, pair: list[Sandbox]
+def test_a_killed_node_makes_its_running_sandbox_503_and_its_paused_one_move(
+    cluster: LocalCluster, pair: list[Sandbox], opts: dict[str, Any]
 ) -> None:
     survivor = pair[0]
     node = owner(cluster, survivor.sandbox_id)
+    with gateway(cluster) as api:
+        # A paused sandbox on the same node (a fork child lands on its parent's).
+        forked = api.post(f"/sandboxes/{survivor.sandbox_id}/fork", json={"count": 1})
+        assert forked.status_code == 201, forked.text
+        paused = forked.json()[0]["sandbox"]["sandboxID"]
+        assert owner(cluster, paused) == node
+        Sandbox.connect(paused, **opts).commands.run("echo kept > /home/user/mark")
+        assert api.post(f"/sandboxes/{paused}/pause").status_code == 204
+        wait_for(
+            lambda: api.get(f"/sandboxes/{paused}").json().get("pauseCommitted") is True,
+            "the pause to be committed to the repository",
+            limit=180,
+        )
     cluster.procs[node].stop(signal.SIGKILL)
     headers = {"E2b-Sandbox-Id": survivor.sandbox_id, "X-Access-Token": "x"}
 
@@ -218,3 +231,8 @@ def test_a_killed_node_makes_its_sandbox_answer_503_node_unavailable(
     for answer in answers():
         assert answer.status_code == 503, answer.text
         assert "stopped heartbeating" in answer.json()["message"], answer.text
+    # The committed paused sandbox resumes on the other node, with its disk.
+    moved = Sandbox.connect(paused, **opts)
+    assert owner(cluster, paused) != node
+    assert moved.commands.run("cat /home/user/mark").stdout == "kept\n"
+    moved.kill()

@@ -272,6 +272,10 @@ class FakeNodes:
             sandbox_id = f"i{node}{len(self.sandboxes[node])}"
             self.sandboxes[node].append(detail(sandbox_id, len(self.sandboxes[node])))
             return answer(201, {"sandboxID": sandbox_id})
+        if request.method == "POST" and path.endswith("/connect"):
+            # Only node "b" can adopt, and only sandboxes paused and committed ("ip...").
+            adoptable = node == "b" and path.split("/")[-2].startswith("ip")
+            return answer(201, {"node": node}) if adoptable else answer(404, {"code": 404})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
@@ -469,3 +473,21 @@ def test_websockets_pass_through_the_gateway_both_ways() -> None:
             sock = socket.create_connection(("127.0.0.1", served.port))
             with connect("ws://3000-iws.gw.test/ws", sock=sock) as ws:
                 assert ws.recv(timeout=10) == "3000-iws.gw.test None"
+
+
+async def test_connect_moves_a_committed_paused_sandbox_off_a_dead_node(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("ipaused", "a")
+    await reg.bind("irunning", "a")
+    nodes.down.add("a")
+    moved = await client.post("/sandboxes/ipaused/connect", json={"timeout": 60})
+    assert moved.status_code == 201 and moved.json() == {"node": "b"}
+    assert (await reg.lookup("ipaused")).node_id == "b"  # type: ignore[union-attr]
+    # A sandbox no other node can adopt was running there: its node is the answer.
+    stuck = await client.post("/sandboxes/irunning/connect")
+    assert stuck.status_code == 503 and "node unavailable" in stuck.json()["message"]
+    # Bound to no node: any node adopts it if it can, else 404.
+    assert (await client.post("/sandboxes/ipnew/connect")).status_code == 201
+    assert (await client.post("/sandboxes/inope/connect")).status_code == 404

@@ -4,9 +4,9 @@ scheduler, so several gateways can run against one scheduler.
 
 - Creates ask the scheduler for a node, go there, and bind the new sandbox to it.
 - Sandbox-scoped routes (``/sandboxes/{id}/...``, v2 too) go to the owning node; fork
-  children are bound to their parent's node; a kill unbinds. A connect (or resume) of a
-  sandbox bound to no node goes to any node, which adopts it from the repository if it was
-  paused and committed elsewhere, and it is bound there.
+  children are bound to their parent's node; a kill unbinds. A connect of a sandbox bound
+  to no node, or to a node that is gone, goes to another node, which adopts it from the
+  repository if it was paused and committed, and it is bound there.
 - Listings (``GET /sandboxes``, ``/v2/sandboxes``) merge every up node's, paged as one
   node would page them (``listing``); ``X-Aenv-Nodes-Down`` names the down nodes whose
   sandboxes are missing. Snapshot, template and other routes go to one
@@ -288,15 +288,10 @@ class Gateway:
 
     async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> Response:
         method = request.method
+        if method == "POST" and rest == "/connect":
+            return await self._connect(request, sandbox_id)
         node = await self._owner(sandbox_id)
         if node is None:
-            if method == "POST" and rest in ("/connect", "/resume"):
-                # Perhaps paused and committed by a node that is gone: any node adopts it.
-                adopter = await self._any_node()
-                upstream, data = await self._buffered(request, adopter)
-                if upstream.status_code in (200, 201):
-                    await self.scheduler.bind(sandbox_id, adopter.node_id)
-                return _replay(upstream, data)
             return _error(404, f"sandbox {sandbox_id} not found")
         if method == "POST" and rest == "/fork":
             upstream, data = await self._buffered(request, node)
@@ -310,6 +305,40 @@ class Gateway:
                 await self.scheduler.unbind(sandbox_id)
             return _replay(upstream, data)
         return await self._relay(request, node, sandbox_id)
+
+    async def _connect(self, request: Request, sandbox_id: str) -> Response:
+        """Connect on the owning node; if the sandbox is bound to no node, or to one that
+        is gone, on another node, which adopts it from the repository when it was paused
+        and committed there (and answers 404 otherwise: then a gone node is the answer)."""
+        body = await _read_bounded(request)
+        if body is None:
+            return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
+        gone: NodeUnavailable | None = None
+        try:
+            owner = await self._owner(sandbox_id)
+            if owner is not None:
+                upstream, data = await self._buffered(request, owner, body)
+                return _replay(upstream, data)
+        except NodeUnavailable as exc:
+            gone = NodeUnavailable(exc.node_id, exc.reason, sandbox_id)
+        others = [n for n in await self._up_nodes() if gone is None or n.node_id != gone.node_id]
+        if not others:
+            raise gone or NodeUnavailable("(any)", "is not there: no node is up", sandbox_id)
+        # Every node reads the same repository: the first that answers decides.
+        for adopter in others:
+            try:
+                upstream, data = await self._buffered(request, adopter, body)
+            except NodeUnavailable as exc:
+                unreachable = exc
+                continue
+            break
+        else:
+            raise gone or unreachable
+        if upstream.status_code in (200, 201):
+            await self.scheduler.bind(sandbox_id, adopter.node_id)
+        elif upstream.status_code == 404 and gone is not None:
+            raise gone  # not paused and committed: it was running on the gone node
+        return _replay(upstream, data)
 
     async def _listing(self, request: Request) -> Response:
         every = await self.scheduler.nodes()
