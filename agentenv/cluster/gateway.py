@@ -31,7 +31,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx
@@ -261,6 +261,17 @@ class Gateway:
             await upstream.aclose()
         return upstream, data
 
+    @staticmethod
+    async def _record(change: Coroutine[Any, Any, None]) -> None:
+        """Tell the scheduler what a node just did. The node's answer goes to the client
+        whatever happens here: a client told a create failed would retry it and make a
+        second sandbox, while a binding the scheduler missed is made by the node's next
+        heartbeat (its roster), and a reservation not released expires."""
+        try:
+            await change
+        except (SchedulerUnavailable, SchedulerRefused) as exc:
+            log.warning("left to the next heartbeat: %s", exc)
+
     async def _create(self, request: Request) -> Response:
         body = await _read_bounded(request)
         if body is None:
@@ -277,13 +288,15 @@ class Gateway:
         try:
             upstream, data = await self._buffered(request, node, body)
         except NodeUnavailable:
-            await self.scheduler.release(placement.placement_id)
+            await self._record(self.scheduler.release(placement.placement_id))
             raise
         sandbox_id = _field(data, "sandboxID") if upstream.status_code == 201 else None
         if sandbox_id:
-            await self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
+            await self._record(
+                self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
+            )
         else:
-            await self.scheduler.release(placement.placement_id)
+            await self._record(self.scheduler.release(placement.placement_id))
         return _replay(upstream, data)
 
     async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> Response:
@@ -297,12 +310,12 @@ class Gateway:
             upstream, data = await self._buffered(request, node)
             if upstream.status_code == 201:
                 for child in _fork_children(data):
-                    await self.scheduler.bind(child, node.node_id)
+                    await self._record(self.scheduler.bind(child, node.node_id))
             return _replay(upstream, data)
         if method == "DELETE" and not rest:
             upstream, data = await self._buffered(request, node)
             if upstream.status_code in (204, 404):
-                await self.scheduler.unbind(sandbox_id)
+                await self._record(self.scheduler.unbind(sandbox_id))
             return _replay(upstream, data)
         return await self._relay(request, node, sandbox_id)
 
@@ -335,7 +348,7 @@ class Gateway:
         else:
             raise gone or unreachable
         if upstream.status_code in (200, 201):
-            await self.scheduler.bind(sandbox_id, adopter.node_id)
+            await self._record(self.scheduler.bind(sandbox_id, adopter.node_id))
         elif upstream.status_code == 404 and gone is not None:
             raise gone  # not paused and committed: it was running on the gone node
         return _replay(upstream, data)
