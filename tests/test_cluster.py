@@ -15,6 +15,7 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+from agentenv.client import AgentEnv
 from agentenv.cluster.local import LocalCluster
 from tests.helpers import cleanup_host, envelope
 
@@ -132,6 +133,10 @@ def test_listing_pages_across_both_nodes(
     assert sorted(seen) == sorted(s.sandbox_id for s in pair)
     with gateway(cluster) as api:
         assert {d["sandboxID"] for d in api.get("/sandboxes").json()} == set(seen)
+    # agentenv's own client (what `aenv` is built on) through the gateway too.
+    with AgentEnv(cluster.gateway_url, cluster.api_key) as client:
+        assert client.health().sandboxes == 2
+        assert {s.sandbox_id for s in client.list_sandboxes()} == set(seen)
 
 
 def test_fork_children_are_bound_to_the_parents_node(

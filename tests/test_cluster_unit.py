@@ -276,6 +276,9 @@ class FakeNodes:
             # Only node "b" can adopt, and only sandboxes paused and committed ("ip...").
             adoptable = node == "b" and path.split("/")[-2].startswith("ip")
             return answer(201, {"node": node}) if adoptable else answer(404, {"code": 404})
+        if path == "/health":
+            health = {"status": "ok", "version": "0.1.0", "vmm": "qemu", "accel": "tcg"}
+            return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
@@ -491,3 +494,20 @@ async def test_connect_moves_a_committed_paused_sandbox_off_a_dead_node(
     # Bound to no node: any node adopts it if it can, else 404.
     assert (await client.post("/sandboxes/ipnew/connect")).status_code == 201
     assert (await client.post("/sandboxes/inope/connect")).status_code == 404
+
+
+async def test_gateway_health_is_a_node_health_for_the_cluster(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    from agentenv.client.wire import HEALTH
+
+    client, _, reg = gateway
+    await reg.heartbeat(report("a", sandboxes=["i1", "i2"]))
+    await reg.heartbeat(report("b", sandboxes=["i3"]))
+    health = HEALTH.validate_python((await client.get("/health")).json())  # what aenv reads
+    assert health.status == "ok" and health.sandboxes == 3 and health.vmm == "qemu"
+    reg.clock.now += 60  # type: ignore[attr-defined]
+    await reg.heartbeat(report("b"))
+    reg.mark_silent_down()
+    degraded = (await client.get("/health")).json()
+    assert degraded["status"] == "degraded" and degraded["detail"] == "nodes down: a"

@@ -44,7 +44,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
-from agentenv import __version__
 from agentenv.cluster.listing import NEXT_TOKEN_HEADER, merge_pages
 from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
 from agentenv.cluster.scheduler_client import (
@@ -402,19 +401,27 @@ class Gateway:
         return JSONResponse(node.model_dump(mode="json", by_alias=True))
 
     async def _health(self) -> Response:
+        """A node's ``/health`` (what ``aenv`` reads: version, VMM, templates), from the
+        first up node, with the cluster's sandbox count; degraded, naming them, while
+        nodes are down. 503 when no node is up or the scheduler is unreachable."""
+        nodes = await self.scheduler.nodes()
+        up = [n for n in nodes if n.state is NodeState.UP]
+        if not up:
+            return _error(503, f"no node is up ({len(nodes)} known)")
         try:
-            nodes = await self.scheduler.nodes()
-        except SchedulerUnavailable as exc:
-            return JSONResponse({"status": "degraded", "detail": str(exc)}, status_code=503)
-        up = sum(1 for n in nodes if n.state is NodeState.UP)
-        return JSONResponse(
-            {
-                "status": "ok" if up else "degraded",
-                "version": __version__,
-                "nodes": len(nodes),
-                "nodesUp": up,
-            }
-        )
+            answer = await self.http.get(up[0].report.url.rstrip("/") + "/health")
+            health = answer.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise NodeUnavailable(up[0].node_id, f"did not answer /health ({exc})") from exc
+        if not isinstance(health, dict):
+            raise NodeUnavailable(up[0].node_id, "answered /health with no object")
+        health["sandboxes"] = sum(len(n.report.sandboxes) for n in up)
+        health["node"] = None
+        down = [n.node_id for n in nodes if n.state is not NodeState.UP]
+        if down:
+            health["status"] = "degraded"
+            health["detail"] = f"nodes down: {', '.join(down)}"
+        return JSONResponse(health)
 
     def _authorised(self, headers: Headers) -> bool:
         presented = headers.get("x-api-key")
