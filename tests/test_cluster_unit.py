@@ -511,3 +511,20 @@ async def test_gateway_health_is_a_node_health_for_the_cluster(
     reg.mark_silent_down()
     degraded = (await client.get("/health")).json()
     assert degraded["status"] == "degraded" and degraded["detail"] == "nodes down: a"
+
+
+async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("i1", "a")
+    traffic = {"E2b-Sandbox-Id": "i1"}
+    assert (await client.get("/files", headers=traffic)).text == "from a"
+    await reg.bind("i1", "b")  # moved by someone else (another gateway, a heartbeat)
+    assert (await client.get("/files", headers=traffic)).text == "from a"  # cached
+    assert (await client.get("/sandboxes/i1")).json() == {"node": "b"}  # control: fresh
+    assert (await client.get("/files", headers=traffic)).text == "from b"
+    nodes.down.add("b")
+    assert (await client.get("/files", headers=traffic)).status_code == 503
+    await reg.bind("i1", "a")
+    assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it

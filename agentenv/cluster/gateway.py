@@ -31,6 +31,7 @@ import os
 import re
 import secrets
 import sys
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -44,6 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
+from agentenv.cluster.answers import field_of, fork_children, read_bounded
 from agentenv.cluster.listing import NEXT_TOKEN_HEADER, merge_pages
 from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
 from agentenv.cluster.scheduler_client import (
@@ -106,10 +108,17 @@ class Gateway:
         domain: str | None,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        route_cache_s: float = 1.0,
     ) -> None:
         self.scheduler = scheduler
         self.api_key = api_key
         self.domain = domain
+        # Sandbox traffic (every envd call) would otherwise ask the scheduler each time.
+        # Only up owners are kept, for `route_cache_s`; what this gateway itself changes
+        # (kill, connect elsewhere) drops its entry, another gateway's change is seen
+        # within that time, and a node that stops answering is a 503 either way.
+        self.route_cache_s = route_cache_s
+        self._routes: dict[str, tuple[float, NodeInfo]] = {}
         # One client (one connection pool) for every node. No overall timeout: streams
         # (process output, downloads) may run for long.
         self.http = httpx.AsyncClient(
@@ -174,6 +183,19 @@ class Gateway:
             raise NodeUnavailable(binding.node_id, "stopped heartbeating", sandbox_id)
         return binding.node
 
+    async def _traffic_owner(self, sandbox_id: str) -> NodeInfo | None:
+        """:meth:`_owner`, from the route cache when it is fresh."""
+        now = time.monotonic()
+        cached = self._routes.get(sandbox_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        node = await self._owner(sandbox_id)
+        if len(self._routes) > 100_000:
+            self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
+        if node is not None and self.route_cache_s > 0:
+            self._routes[sandbox_id] = (now + self.route_cache_s, node)
+        return node
+
     async def _up_nodes(self) -> list[NodeInfo]:
         return [n for n in await self.scheduler.nodes() if n.state is NodeState.UP]
 
@@ -187,11 +209,15 @@ class Gateway:
     # -- HTTP ----------------------------------------------------------------------------
     async def _http(self, request: Request, target: ProxyTarget | None) -> Response:
         if target is not None:
-            node = await self._owner(target.sandbox_id)
+            node = await self._traffic_owner(target.sandbox_id)
             if node is None:
                 # What a node's proxy answers for an unknown sandbox (E2B's edge too).
                 return _error(502, f"The sandbox {target.sandbox_id} was not found")
-            return await self._relay(request, node, target.sandbox_id)
+            try:
+                return await self._relay(request, node, target.sandbox_id)
+            except NodeUnavailable:
+                self._routes.pop(target.sandbox_id, None)
+                raise
         path = request.url.path
         if path == "/health":
             return await self._health()
@@ -272,7 +298,7 @@ class Gateway:
             log.warning("left to the next heartbeat: %s", exc)
 
     async def _create(self, request: Request) -> Response:
-        body = await _read_bounded(request)
+        body = await read_bounded(request)
         if body is None:
             return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
         try:
@@ -289,7 +315,7 @@ class Gateway:
         except NodeUnavailable:
             await self._record(self.scheduler.release(placement.placement_id))
             raise
-        sandbox_id = _field(data, "sandboxID") if upstream.status_code == 201 else None
+        sandbox_id = field_of(data, "sandboxID") if upstream.status_code == 201 else None
         if sandbox_id:
             await self._record(
                 self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
@@ -300,6 +326,7 @@ class Gateway:
 
     async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> Response:
         method = request.method
+        self._routes.pop(sandbox_id, None)  # a control-plane call may move or end it
         if method == "POST" and rest == "/connect":
             return await self._connect(request, sandbox_id)
         node = await self._owner(sandbox_id)
@@ -308,7 +335,7 @@ class Gateway:
         if method == "POST" and rest == "/fork":
             upstream, data = await self._buffered(request, node)
             if upstream.status_code == 201:
-                for child in _fork_children(data):
+                for child in fork_children(data):
                     await self._record(self.scheduler.bind(child, node.node_id))
             return _replay(upstream, data)
         if method == "DELETE" and not rest:
@@ -322,7 +349,7 @@ class Gateway:
         """Connect on the owning node; if the sandbox is bound to no node, or to one that
         is gone, on another node, which adopts it from the repository when it was paused
         and committed there (and answers 404 otherwise: then a gone node is the answer)."""
-        body = await _read_bounded(request)
+        body = await read_bounded(request)
         if body is None:
             return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
         gone: NodeUnavailable | None = None
@@ -442,7 +469,7 @@ class Gateway:
             await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
             return
         try:
-            node = await self._owner(target.sandbox_id)
+            node = await self._traffic_owner(target.sandbox_id)
         except (NodeUnavailable, SchedulerUnavailable) as exc:
             await deny_websocket(send, Refusal(503, str(exc)))
             return
@@ -518,37 +545,6 @@ async def _relay_body(upstream: httpx.Response, node: NodeInfo) -> AsyncIterator
         log.warning("node %s broke off a response: %s", node.node_id, exc)
 
 
-async def _read_bounded(request: Request) -> bytes | None:
-    """The request body, or None when it exceeds a control-plane request's bound."""
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_REQUEST_BODY_BYTES:
-            return None
-    return body
-
-
-def _field(data: bytes, name: str) -> str | None:
-    try:
-        value = json.loads(data).get(name)
-    except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
-
-
-def _fork_children(data: bytes) -> list[str]:
-    try:
-        results = json.loads(data)
-    except ValueError:
-        return []
-    children = []
-    for result in results if isinstance(results, list) else []:
-        sandbox = result.get("sandbox") if isinstance(result, dict) else None
-        if isinstance(sandbox, dict) and isinstance(sandbox.get("sandboxID"), str):
-            children.append(sandbox["sandboxID"])
-    return children
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="aenv-gateway", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"host:port ({DEFAULT_LISTEN})")
@@ -562,6 +558,12 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("AENV_DOMAIN"),
         help="the nodes' AENV_DOMAIN: `{port}-{id}.{domain}` hosts route to sandboxes",
     )
+    parser.add_argument(
+        "--route-cache",
+        type=float,
+        default=1.0,
+        help="seconds a sandbox's node is remembered for its traffic (default 1; 0: never)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     api_key = os.environ.get("AENV_API_KEY")
@@ -572,7 +574,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    gateway = Gateway(SchedulerClient(args.scheduler, api_key), api_key, args.domain)
+    gateway = Gateway(
+        SchedulerClient(args.scheduler, api_key),
+        api_key,
+        args.domain,
+        route_cache_s=args.route_cache,
+    )
     host, _, port = args.listen.rpartition(":")
     uvicorn.run(
         gateway,
