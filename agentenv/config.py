@@ -146,6 +146,13 @@ class Config(BaseModel):
     # This node's name in the repository (who holds a paused sandbox). Default: derived
     # from the host name and data directory.
     node_id: str | None = None
+    # The cluster scheduler this node sends heartbeats to (http://host:9090, see
+    # agentenv.cluster); None: a node on its own, no heartbeats.
+    scheduler_url: str | None = None
+    # The URL gateways reach this node at, reported in heartbeats; None: http://{listen}.
+    node_url: str | None = None
+    # Seconds between heartbeats; the scheduler marks a node down after several missed.
+    heartbeat_interval: float = Field(default=2.0, gt=0)
     # Registries reached over plain HTTP / without TLS verification, comma-separated
     # (localhost ones always are).
     insecure_registries: str = ""

@@ -52,6 +52,7 @@ from agentenv.api.network import create_options, network_info, updated_egress
 from agentenv.api.paging import page, sandbox_key, snapshot_key
 from agentenv.api.params import NextToken, SandboxId, TemplateRef
 from agentenv.api.templates import UPLOAD_PATH, template_routes
+from agentenv.cluster.heartbeat import Heartbeat
 from agentenv.limits import (
     ID_PATTERN,
     MAX_ID_LENGTH,
@@ -86,9 +87,15 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_lifecycle:
             await orchestrator.startup()
+        heartbeat = None
+        if orchestrator.config.scheduler_url:
+            heartbeat = Heartbeat(orchestrator, orchestrator.config, api_key)
+            heartbeat.start()
         try:
             yield
         finally:
+            if heartbeat is not None:
+                await heartbeat.stop()
             await proxy.aclose()
             await builds.shutdown()
             if manage_lifecycle:

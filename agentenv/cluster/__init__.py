@@ -1,3 +1,6 @@
-"""Multi-node operation (gateway, scheduler, shared state). Not built yet: a single node
-serves everything. It must not change sandbox state except through node APIs.
+"""Many nodes: the scheduler (``scheduler``: node registry from heartbeats, placement,
+sandbox->node bindings in memory or Redis), the stateless gateway (``gateway``: the one URL
+clients use), the node's heartbeat client (``heartbeat``) and a local cluster launcher
+(``local``). It must not change sandbox state except through node APIs: the gateway
+forwards requests to nodes, and the heartbeat only reads the orchestrator's views.
 """

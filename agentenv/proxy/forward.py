@@ -551,3 +551,11 @@ class SandboxTrafficMiddleware:
                     await self.proxy.forward_websocket(scope, receive, send, target)
                 return
         await self.app(scope, receive, send)
+
+
+# The cluster gateway relays clients' traffic to nodes as this module relays it to guests;
+# these are the pieces it shares (agentenv.cluster.gateway).
+HOP_BY_HOP = _HOP_BY_HOP
+deny_websocket = _deny_websocket
+client_to_upstream = _client_to_upstream
+upstream_to_client = _upstream_to_client

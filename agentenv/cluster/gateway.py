@@ -1,0 +1,595 @@
+"""``aenv-gateway``: the one URL clients use (``E2B_API_URL`` and ``E2B_SANDBOX_URL``),
+default ``127.0.0.1:8080``. It holds no state: where a sandbox lives comes from the
+scheduler, so several gateways can run against one scheduler.
+
+- Creates ask the scheduler for a node, go there, and bind the new sandbox to it.
+- Sandbox-scoped routes (``/sandboxes/{id}/...``, v2 too) go to the owning node; fork
+  children are bound to their parent's node; a kill unbinds. A connect of a sandbox bound
+  to no node, or to a node that is gone, goes to another node, which adopts it from the
+  repository if it was paused and committed, and it is bound there.
+- Listings (``GET /sandboxes``, ``/v2/sandboxes``) merge every up node's, paged as one
+  node would page them (``listing``); ``X-Aenv-Nodes-Down`` names the down nodes whose
+  sandboxes are missing. Snapshot, template and other routes go to one
+  healthy node (the same one while it is up, so a template build's polls find it).
+- Sandbox traffic (``E2b-Sandbox-Id`` headers, ``{port}-{id}.{domain}`` hosts) is relayed
+  to the owning node's proxy as it came (headers and Host kept), streaming both ways,
+  WebSockets included; the node's proxy checks tokens and reaches the guest.
+- A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
+  404; a scheduler that cannot be reached is a 503 too.
+
+The gateway checks the API key only on what it answers itself (``/nodes``); nodes check
+everything they are sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import httpx
+import uvicorn
+import websockets
+from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+from websockets.asyncio.client import connect as ws_connect
+
+from agentenv.cluster.answers import field_of, fork_children, read_bounded
+from agentenv.cluster.listing import NEXT_TOKEN_HEADER, merge_pages
+from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
+from agentenv.cluster.scheduler_client import (
+    SchedulerClient,
+    SchedulerRefused,
+    SchedulerUnavailable,
+)
+from agentenv.limits import MAX_REQUEST_BODY_BYTES
+from agentenv.proxy.forward import (
+    HOP_BY_HOP,
+    MAX_HEADER_BYTES,
+    ProxyTarget,
+    Refusal,
+    client_to_upstream,
+    deny_websocket,
+    target_of,
+    upstream_to_client,
+)
+
+log = logging.getLogger("agentenv.cluster.gateway")
+
+DEFAULT_LISTEN = "127.0.0.1:8080"
+# As the node server's (agentenv.server.KEEP_ALIVE_S): longer than the SDK keeps idle
+# connections, so the client always closes first.
+KEEP_ALIVE_S = 330
+
+_SANDBOX_ROUTE = re.compile(r"^/(?:v2/)?sandboxes/(?P<id>[^/]+)(?P<rest>/[^?]*)?$")
+_LISTING = frozenset({"/sandboxes", "/v2/sandboxes"})
+# Hop-by-hop headers are the connection's; Host is kept, so a node routes
+# `{port}-{id}.{domain}` names as it would have without the gateway.
+_NOT_FORWARDED = HOP_BY_HOP - {"host"}
+# On listings: the nodes that are down, whose sandboxes the listing lacks.
+_MISSING_NODES_HEADER = "X-Aenv-Nodes-Down"
+
+
+class NodeUnavailable(Exception):
+    def __init__(self, node_id: str, reason: str, sandbox_id: str | None = None) -> None:
+        subject = f"sandbox {sandbox_id} is on node {node_id}" if sandbox_id else f"node {node_id}"
+        super().__init__(f"node unavailable: {subject}, which {reason}")
+        self.node_id = node_id
+        self.reason = reason
+        self.sandbox_id = sandbox_id
+
+
+def _error(status: int, message: str) -> Response:
+    return Refusal(status, message).response()
+
+
+def _node_headers(headers: Headers) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers.items() if k not in _NOT_FORWARDED]
+
+
+class Gateway:
+    """The gateway as an ASGI application."""
+
+    def __init__(
+        self,
+        scheduler: SchedulerClient,
+        api_key: str,
+        domain: str | None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        route_cache_s: float = 1.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.api_key = api_key
+        self.domain = domain
+        # Sandbox traffic (every envd call) would otherwise ask the scheduler each time.
+        # Only up owners are kept, for `route_cache_s`; what this gateway itself changes
+        # (kill, connect elsewhere) drops its entry, another gateway's change is seen
+        # within that time, and a node that stops answering is a 503 either way.
+        self.route_cache_s = route_cache_s
+        self._routes: dict[str, tuple[float, NodeInfo]] = {}
+        # One client (one connection pool) for every node. No overall timeout: streams
+        # (process output, downloads) may run for long.
+        self.http = httpx.AsyncClient(
+            trust_env=False,
+            timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=None),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        await self.scheduler.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            refusal = Refusal(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
+            if scope["type"] == "http":
+                await refusal.response()(scope, receive, send)
+            else:
+                await receive()
+                await deny_websocket(send, refusal)
+            return
+        headers = Headers(scope=scope)
+        target = target_of(headers, self.domain)
+        try:
+            if scope["type"] == "websocket":
+                await self._websocket(scope, receive, send, target)
+                return
+            response = await self._http(Request(scope, receive), target)
+        except NodeUnavailable as exc:
+            response = _error(503, str(exc))
+        except SchedulerUnavailable as exc:
+            response = _error(503, str(exc))
+        except SchedulerRefused as exc:
+            response = _error(exc.status, exc.message)
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- where things are ----------------------------------------------------------------
+    async def _owner(self, sandbox_id: str) -> NodeInfo | None:
+        """The up node holding ``sandbox_id``; None when it is bound to none. Raises
+        :class:`NodeUnavailable` when its node is down or unknown."""
+        binding = await self.scheduler.lookup(sandbox_id)
+        if binding is None:
+            return None
+        if binding.node is None:
+            raise NodeUnavailable(binding.node_id, "the scheduler does not know", sandbox_id)
+        if binding.node.state is not NodeState.UP:
+            raise NodeUnavailable(binding.node_id, "stopped heartbeating", sandbox_id)
+        return binding.node
+
+    async def _traffic_owner(self, sandbox_id: str) -> NodeInfo | None:
+        """:meth:`_owner`, from the route cache when it is fresh."""
+        now = time.monotonic()
+        cached = self._routes.get(sandbox_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        node = await self._owner(sandbox_id)
+        if len(self._routes) > 100_000:
+            self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
+        if node is not None and self.route_cache_s > 0:
+            self._routes[sandbox_id] = (now + self.route_cache_s, node)
+        return node
+
+    async def _up_nodes(self) -> list[NodeInfo]:
+        return [n for n in await self.scheduler.nodes() if n.state is NodeState.UP]
+
+    async def _any_node(self) -> NodeInfo:
+        """The first up node by id: the same one for every request while it is up."""
+        nodes = await self._up_nodes()
+        if not nodes:
+            raise NodeUnavailable("(any)", "is not there: no node is up")
+        return nodes[0]
+
+    # -- HTTP ----------------------------------------------------------------------------
+    async def _http(self, request: Request, target: ProxyTarget | None) -> Response:
+        if target is not None:
+            node = await self._traffic_owner(target.sandbox_id)
+            if node is None:
+                # What a node's proxy answers for an unknown sandbox (E2B's edge too).
+                return _error(502, f"The sandbox {target.sandbox_id} was not found")
+            try:
+                return await self._relay(request, node, target.sandbox_id)
+            except NodeUnavailable:
+                self._routes.pop(target.sandbox_id, None)
+                raise
+        path = request.url.path
+        if path == "/health":
+            return await self._health()
+        if path == "/nodes" or path.startswith("/nodes/"):
+            return await self._nodes(request)
+        if path in _LISTING and request.method == "GET":
+            return await self._listing(request)
+        if path in _LISTING and request.method == "POST":
+            return await self._create(request)
+        match = _SANDBOX_ROUTE.match(path)
+        if match:
+            return await self._sandbox_route(request, match["id"], match["rest"] or "")
+        return await self._relay(request, await self._any_node())
+
+    async def _send(
+        self, request: Request, node: NodeInfo, body: bytes | None = None
+    ) -> httpx.Response:
+        """The request sent on to ``node`` as it came (raw path, query, headers, body
+        streamed unless given), its response head read."""
+        raw_path: bytes = request.scope.get("raw_path") or request.scope["path"].encode()
+        query: bytes = request.scope.get("query_string", b"")
+        url = httpx.URL(node.report.url).copy_with(
+            raw_path=raw_path + (b"?" + query if query else b"")
+        )
+        content: Any = body
+        if body is None and (
+            request.method not in ("GET", "HEAD", "OPTIONS")
+            or "content-length" in request.headers
+            or "transfer-encoding" in request.headers
+        ):
+            content = request.stream()
+        upstream = self.http.build_request(
+            request.method, url, headers=_node_headers(request.headers), content=content
+        )
+        try:
+            return await self.http.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            raise NodeUnavailable(
+                node.node_id, f"did not answer ({str(exc) or type(exc).__name__})"
+            ) from exc
+
+    async def _relay(
+        self, request: Request, node: NodeInfo, sandbox_id: str | None = None
+    ) -> Response:
+        try:
+            upstream = await self._send(request, node)
+        except NodeUnavailable as exc:
+            raise NodeUnavailable(exc.node_id, exc.reason, sandbox_id) from exc
+        return StreamingResponse(
+            _relay_body(upstream, node),
+            status_code=upstream.status_code,
+            headers=_response_headers(upstream),
+            background=BackgroundTask(upstream.aclose),
+        )
+
+    async def _buffered(
+        self, request: Request, node: NodeInfo, body: bytes | None = None
+    ) -> tuple[httpx.Response, bytes]:
+        """For answers the gateway reads (sandbox ids to bind): small JSON bodies."""
+        upstream = await self._send(request, node, body)
+        try:
+            data = await upstream.aread()
+        except httpx.HTTPError as exc:
+            raise NodeUnavailable(node.node_id, f"broke off its answer ({exc})") from exc
+        finally:
+            await upstream.aclose()
+        return upstream, data
+
+    @staticmethod
+    async def _record(change: Coroutine[Any, Any, None]) -> None:
+        """Tell the scheduler what a node just did. The node's answer goes to the client
+        whatever happens here: a client told a create failed would retry it and make a
+        second sandbox, while a binding the scheduler missed is made by the node's next
+        heartbeat (its roster), and a reservation not released expires."""
+        try:
+            await change
+        except (SchedulerUnavailable, SchedulerRefused) as exc:
+            log.warning("left to the next heartbeat: %s", exc)
+
+    async def _create(self, request: Request) -> Response:
+        body = await read_bounded(request)
+        if body is None:
+            return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
+        try:
+            template = json.loads(body or b"{}").get("templateID") or "base"
+        except (ValueError, AttributeError):
+            template = None  # not JSON: a node answers the 400 it deserves
+        if not isinstance(template, str):
+            upstream, data = await self._buffered(request, await self._any_node(), body)
+            return _replay(upstream, data)
+        placement = await self.scheduler.place(PlacementRequest(templateID=template))
+        node = placement.node
+        try:
+            upstream, data = await self._buffered(request, node, body)
+        except NodeUnavailable:
+            await self._record(self.scheduler.release(placement.placement_id))
+            raise
+        sandbox_id = field_of(data, "sandboxID") if upstream.status_code == 201 else None
+        if sandbox_id:
+            await self._record(
+                self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
+            )
+        else:
+            await self._record(self.scheduler.release(placement.placement_id))
+        return _replay(upstream, data)
+
+    async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> Response:
+        method = request.method
+        self._routes.pop(sandbox_id, None)  # a control-plane call may move or end it
+        if method == "POST" and rest == "/connect":
+            return await self._connect(request, sandbox_id)
+        node = await self._owner(sandbox_id)
+        if node is None:
+            return _error(404, f"sandbox {sandbox_id} not found")
+        if method == "POST" and rest == "/fork":
+            upstream, data = await self._buffered(request, node)
+            if upstream.status_code == 201:
+                for child in fork_children(data):
+                    await self._record(self.scheduler.bind(child, node.node_id))
+            return _replay(upstream, data)
+        if method == "DELETE" and not rest:
+            upstream, data = await self._buffered(request, node)
+            if upstream.status_code in (204, 404):
+                await self._record(self.scheduler.unbind(sandbox_id))
+            return _replay(upstream, data)
+        return await self._relay(request, node, sandbox_id)
+
+    async def _connect(self, request: Request, sandbox_id: str) -> Response:
+        """Connect on the owning node; if the sandbox is bound to no node, or to one that
+        is gone, on another node, which adopts it from the repository when it was paused
+        and committed there (and answers 404 otherwise: then a gone node is the answer)."""
+        body = await read_bounded(request)
+        if body is None:
+            return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
+        gone: NodeUnavailable | None = None
+        try:
+            owner = await self._owner(sandbox_id)
+            if owner is not None:
+                upstream, data = await self._buffered(request, owner, body)
+                return _replay(upstream, data)
+        except NodeUnavailable as exc:
+            gone = NodeUnavailable(exc.node_id, exc.reason, sandbox_id)
+        others = [n for n in await self._up_nodes() if gone is None or n.node_id != gone.node_id]
+        if not others:
+            raise gone or NodeUnavailable("(any)", "is not there: no node is up", sandbox_id)
+        # Every node reads the same repository: the first that answers decides.
+        for adopter in others:
+            try:
+                upstream, data = await self._buffered(request, adopter, body)
+            except NodeUnavailable as exc:
+                unreachable = exc
+                continue
+            break
+        else:
+            raise gone or unreachable
+        if upstream.status_code in (200, 201):
+            await self._record(self.scheduler.bind(sandbox_id, adopter.node_id))
+        elif upstream.status_code == 404 and gone is not None:
+            raise gone  # not paused and committed: it was running on the gone node
+        return _replay(upstream, data)
+
+    async def _listing(self, request: Request) -> Response:
+        every = await self.scheduler.nodes()
+        nodes = [n for n in every if n.state is NodeState.UP]
+        # Down nodes' sandboxes cannot be listed; the answer says whose are missing.
+        missing = {
+            _MISSING_NODES_HEADER: ",".join(n.node_id for n in every if n.state is not NodeState.UP)
+        }
+        query = request.url.query
+        headers = _node_headers(request.headers)
+
+        async def one(node: NodeInfo) -> httpx.Response:
+            url = node.report.url.rstrip("/") + request.url.path + (f"?{query}" if query else "")
+            try:
+                return await self.http.get(url, headers=headers)
+            except httpx.HTTPError as exc:
+                raise NodeUnavailable(
+                    node.node_id, f"did not answer a listing ({str(exc) or type(exc).__name__})"
+                ) from exc
+
+        # All or nothing: a listing missing a node's sandboxes would look complete.
+        answers = await asyncio.gather(*(one(node) for node in nodes))
+        for answer in answers:
+            if answer.status_code != 200:
+                return _replay(answer, answer.content)
+        pages = [answer.json() for answer in answers]
+        headers_out = missing if missing[_MISSING_NODES_HEADER] else {}
+        if request.url.path == "/sandboxes":
+            return JSONResponse([item for page in pages for item in page], headers=headers_out)
+        limit_text = request.query_params.get("limit")
+        limit = int(limit_text) if limit_text and limit_text.isdigit() else None
+        more = any(NEXT_TOKEN_HEADER in answer.headers for answer in answers)
+        items, token = merge_pages(pages, limit, more)
+        if token:
+            headers_out["X-Next-Token"] = token
+        return JSONResponse(items, headers=headers_out)
+
+    async def _nodes(self, request: Request) -> Response:
+        if not self._authorised(request.headers):
+            return _error(401, "missing or invalid API key")
+        node_id = request.url.path.removeprefix("/nodes").strip("/")
+        if not node_id:
+            nodes = await self.scheduler.nodes()
+            return JSONResponse([n.model_dump(mode="json", by_alias=True) for n in nodes])
+        node = await self.scheduler.node(node_id)
+        if node is None:
+            return _error(404, f"node {node_id!r} not found")
+        return JSONResponse(node.model_dump(mode="json", by_alias=True))
+
+    async def _health(self) -> Response:
+        """A node's ``/health`` (what ``aenv`` reads: version, VMM, templates), from the
+        first up node, with the cluster's sandbox count; degraded, naming them, while
+        nodes are down. 503 when no node is up or the scheduler is unreachable."""
+        nodes = await self.scheduler.nodes()
+        up = [n for n in nodes if n.state is NodeState.UP]
+        if not up:
+            return _error(503, f"no node is up ({len(nodes)} known)")
+        try:
+            answer = await self.http.get(up[0].report.url.rstrip("/") + "/health")
+            health = answer.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise NodeUnavailable(up[0].node_id, f"did not answer /health ({exc})") from exc
+        if not isinstance(health, dict):
+            raise NodeUnavailable(up[0].node_id, "answered /health with no object")
+        health["sandboxes"] = sum(len(n.report.sandboxes) for n in up)
+        health["node"] = None
+        down = [n.node_id for n in nodes if n.state is not NodeState.UP]
+        if down:
+            health["status"] = "degraded"
+            health["detail"] = f"nodes down: {', '.join(down)}"
+        return JSONResponse(health)
+
+    def _authorised(self, headers: Headers) -> bool:
+        presented = headers.get("x-api-key")
+        authorization = headers.get("authorization") or ""
+        if presented is None and authorization.lower().startswith("bearer "):
+            presented = authorization[7:].strip()
+        return presented is not None and secrets.compare_digest(
+            presented.encode(), self.api_key.encode()
+        )
+
+    # -- WebSocket -----------------------------------------------------------------------
+    async def _websocket(
+        self, scope: Scope, receive: Receive, send: Send, target: ProxyTarget | None
+    ) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if target is None:
+            await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
+            return
+        try:
+            node = await self._traffic_owner(target.sandbox_id)
+        except (NodeUnavailable, SchedulerUnavailable) as exc:
+            await deny_websocket(send, Refusal(503, str(exc)))
+            return
+        if node is None:
+            await deny_websocket(
+                send, Refusal(502, f"The sandbox {target.sandbox_id} was not found")
+            )
+            return
+        headers = Headers(scope=scope)
+        node_url = httpx.URL(node.report.url)
+        # The client sends the URL's host as Host: the client's Host goes in the URL (the
+        # node routes host names by it) and the connection is pointed at the node.
+        host = headers.get("host") or node_url.netloc.decode()
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = f"ws://{host}{raw_path.decode('latin-1')}" + (f"?{query}" if query else "")
+        forwarded = [
+            (k, v)
+            for k, v in _node_headers(headers)
+            if k != "host" and not k.startswith("sec-websocket-")
+        ]
+        try:
+            upstream = await ws_connect(
+                url,
+                host=node_url.host,
+                port=node_url.port or 80,
+                proxy=None,
+                additional_headers=forwarded,
+                subprotocols=scope.get("subprotocols") or None,
+                open_timeout=10,
+                max_size=None,
+                compression=None,
+            )
+        except websockets.exceptions.InvalidStatus as exc:
+            status = exc.response.status_code
+            message = exc.response.body.decode(errors="replace") if exc.response.body else ""
+            await deny_websocket(send, Refusal(status, message or f"node answered {status}"))
+            return
+        except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
+            reason = NodeUnavailable(
+                node.node_id, f"refused a WebSocket ({exc})", target.sandbox_id
+            )
+            await deny_websocket(send, Refusal(503, str(reason)))
+            return
+        async with upstream:
+            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+            pumps = [
+                asyncio.create_task(client_to_upstream(receive, upstream)),
+                asyncio.create_task(upstream_to_client(upstream, send)),
+            ]
+            _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            # Collected, the finished pump's too: a client gone mid-send is how it ends.
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _response_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+def _replay(upstream: httpx.Response, data: bytes) -> Response:
+    return Response(data, status_code=upstream.status_code, headers=_response_headers(upstream))
+
+
+async def _relay_body(upstream: httpx.Response, node: NodeInfo) -> AsyncIterator[bytes]:
+    """The node's body as it arrives. Its status line is on its way already, so a node
+    that breaks off can only end the stream early."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning("node %s broke off a response: %s", node.node_id, exc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="aenv-gateway", description=__doc__.split("\n")[0])
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"host:port ({DEFAULT_LISTEN})")
+    parser.add_argument(
+        "--scheduler",
+        default=os.environ.get("AENV_SCHEDULER_URL"),
+        help="the scheduler's URL (env AENV_SCHEDULER_URL)",
+    )
+    parser.add_argument(
+        "--domain",
+        default=os.environ.get("AENV_DOMAIN"),
+        help="the nodes' AENV_DOMAIN: `{port}-{id}.{domain}` hosts route to sandboxes",
+    )
+    parser.add_argument(
+        "--route-cache",
+        type=float,
+        default=1.0,
+        help="seconds a sandbox's node is remembered for its traffic (default 1; 0: never)",
+    )
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    api_key = os.environ.get("AENV_API_KEY")
+    if not api_key or not args.scheduler:
+        sys.exit("aenv-gateway: set AENV_API_KEY and --scheduler (or AENV_SCHEDULER_URL)")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    gateway = Gateway(
+        SchedulerClient(args.scheduler, api_key),
+        api_key,
+        args.domain,
+        route_cache_s=args.route_cache,
+    )
+    host, _, port = args.listen.rpartition(":")
+    uvicorn.run(
+        gateway,
+        host=host,
+        port=int(port),
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=1024 * 1024,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""A cluster on one machine, in one command: Redis, the scheduler, the gateway and N
+nodes, each node with its own data directory, all sharing a ``file://`` repository,
+the API key and the envd token key (``scripts/cluster up --nodes 3``). The processes
+outlive the command; their ids are kept in ``cluster.json`` under the cluster's directory,
+which ``down`` reads to stop them (it kills the nodes' sandboxes first: their VMMs
+outlive a node by design).
+
+The tests start their clusters with :class:`LocalCluster` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+STATE_FILE = "cluster.json"
+
+
+class ClusterStartError(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: str
+    pid: int | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        self.pid = proc.pid
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            waited, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            waited = 0  # not our child (started by another command): ask the kernel
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+        return waited == 0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        if self.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            while self.alive():
+                time.sleep(0.05)
+        self.pid = None
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(Path(self.log).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    root: Path
+    nodes: int = 2
+    api_key: str = field(default_factory=lambda: "e2b_" + secrets.token_hex(20))
+    gateway_port: int = field(default_factory=free_port)
+    scheduler_port: int = field(default_factory=free_port)
+    redis_port: int = field(default_factory=free_port)
+    heartbeat_interval: float = 1.0
+    node_timeout: float = 5.0
+    # Extra AENV_* settings for every node (e.g. a short network linger in tests).
+    node_env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    # -- addresses -----------------------------------------------------------------------
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def scheduler_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def node_name(self, index: int) -> str:
+        return f"node-{index}"
+
+    def client_env(self) -> dict[str, str]:
+        """What a client exports to use the cluster with the e2b SDK or ``aenv``."""
+        return {
+            "E2B_API_URL": self.gateway_url,
+            "E2B_SANDBOX_URL": self.gateway_url,
+            "E2B_API_KEY": self.api_key,
+            "AENV_SERVER": self.gateway_url,
+            "AENV_API_KEY": self.api_key,
+        }
+
+    # -- processes -----------------------------------------------------------------------
+    def _plan(self) -> None:
+        logs = self.root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+        base["AENV_API_KEY"] = self.api_key
+        python = sys.executable
+        redis_dir = self.root / "redis"
+        redis_dir.mkdir(exist_ok=True)
+        redis_server = shutil.which("redis-server")
+        if redis_server is None:
+            raise ClusterStartError("redis-server is not installed (scripts/install installs it)")
+        self.procs["redis"] = Proc(
+            "redis",
+            [
+                redis_server,
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(redis_dir),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+            ],
+            base,
+            str(logs / "redis.log"),
+        )
+        self.procs["scheduler"] = Proc(
+            "scheduler",
+            [
+                python,
+                "-m",
+                "agentenv.cluster.scheduler",
+                "--listen",
+                f"127.0.0.1:{self.scheduler_port}",
+                "--redis",
+                self.redis_url,
+                "--node-timeout",
+                str(self.node_timeout),
+            ],
+            base,
+            str(logs / "scheduler.log"),
+        )
+        domain = f"localhost:{self.gateway_port}"
+        self.procs["gateway"] = Proc(
+            "gateway",
+            [
+                python,
+                "-m",
+                "agentenv.cluster.gateway",
+                "--listen",
+                f"127.0.0.1:{self.gateway_port}",
+                "--scheduler",
+                self.scheduler_url,
+                "--domain",
+                domain,
+            ],
+            base,
+            str(logs / "gateway.log"),
+        )
+        token_key = secrets.token_hex(32)
+        repository = (self.root / "repository").resolve()
+        repository.mkdir(exist_ok=True)
+        for index in range(self.nodes):
+            name = self.node_name(index)
+            env = {
+                **base,
+                "AENV_HOME": str((self.root / name).resolve()),
+                "AENV_LISTEN": f"127.0.0.1:{free_port()}",
+                "AENV_NODE_ID": name,
+                "AENV_REPOSITORY": repository.as_uri(),
+                "AENV_ENVD_TOKEN_KEY": token_key,
+                "AENV_SCHEDULER_URL": self.scheduler_url,
+                "AENV_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
+                "AENV_DOMAIN": domain,
+                **self.node_env,
+            }
+            self.procs[name] = Proc(
+                name, [python, "-m", "agentenv.server"], env, str(logs / f"{name}.log")
+            )
+
+    def up(self, wait: float = 900.0) -> None:
+        """Start everything and wait until every node is ready (its base template built)
+        and up in the scheduler. On failure, what started is stopped again."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._plan()
+        try:
+            for proc in self.procs.values():
+                proc.start()
+                if proc.name == "redis":
+                    self._wait_for_port(self.redis_port, proc)
+            self.save()
+            self._wait_ready(wait)
+        except BaseException:
+            self.down()
+            raise
+
+    def _wait_ready(self, wait: float, names: set[str] | None = None) -> None:
+        """Wait for the processes ``names`` (default: all) to serve, and for the nodes
+        among them to be up in the scheduler."""
+        deadline = time.monotonic() + wait
+        with httpx.Client(trust_env=False, timeout=5) as http:
+            for name, proc in self.procs.items():
+                if name == "redis" or not proc.alive() or (names and name not in names):
+                    continue
+                url = {"scheduler": self.scheduler_url, "gateway": self.gateway_url}.get(
+                    name, f"http://{proc.env.get('AENV_LISTEN')}"
+                )
+                while not self._ready(http, name, url):
+                    if not proc.alive():
+                        raise ClusterStartError(f"{name} exited:\n{proc.tail()}")
+                    if time.monotonic() > deadline:
+                        raise ClusterStartError(f"{name} not ready in {wait}s:\n{proc.tail()}")
+                    time.sleep(0.3)
+            nodes = {
+                name
+                for name, proc in self.procs.items()
+                if name.startswith("node-") and proc.alive() and (not names or name in names)
+            }
+            while not nodes <= set(self.nodes_up(http)):
+                if time.monotonic() > deadline:
+                    raise ClusterStartError("nodes did not all register with the scheduler")
+                time.sleep(0.3)
+
+    @staticmethod
+    def _wait_for_port(port: int, proc: Proc, wait: float = 30.0) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                return
+            if not proc.alive() or time.monotonic() > deadline:
+                raise ClusterStartError(f"{proc.name} is not listening on {port}:\n{proc.tail()}")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _ready(http: httpx.Client, name: str, url: str) -> bool:
+        try:
+            response = http.get(f"{url}/health")
+        except httpx.HTTPError:
+            return False
+        if not name.startswith("node-"):
+            return response.status_code in (200, 503)
+        try:
+            state = response.json()["templates"].get("base")
+        except (ValueError, KeyError):
+            return False
+        if state == "failed":
+            raise ClusterStartError(
+                f"{name}: base template failed: {response.json().get('detail')}"
+            )
+        return bool(state == "ready")
+
+    def nodes_up(self, http: httpx.Client) -> list[str]:
+        try:
+            nodes = http.get(f"{self.scheduler_url}/nodes", headers={"X-API-Key": self.api_key})
+            return [n["report"]["nodeID"] for n in nodes.json() if n["state"] == "up"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return []
+
+    def restart(self, name: str, wait: float = 60.0) -> None:
+        """Stop the process ``name`` (``scheduler``, ``gateway``, ...) and start it again."""
+        proc = self.procs[name]
+        proc.stop()
+        proc.start()
+        self.save()
+        self._wait_ready(wait, names={name})
+
+    def kill_sandboxes(self) -> None:
+        """Kill every sandbox on every node that still answers (their VMMs would
+        otherwise outlive the nodes)."""
+        with httpx.Client(trust_env=False, timeout=60, headers={"X-API-Key": self.api_key}) as http:
+            for name, proc in self.procs.items():
+                if not name.startswith("node-") or not proc.alive():
+                    continue
+                url = f"http://{proc.env['AENV_LISTEN']}"
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    for item in http.get(f"{url}/sandboxes").json():
+                        http.delete(f"{url}/sandboxes/{item['sandboxID']}")
+
+    def down(self) -> None:
+        self.kill_sandboxes()
+        # Nodes first (they heartbeat to the scheduler), Redis last.
+        for name in sorted(self.procs, key=lambda n: (not n.startswith("node-"), n == "redis")):
+            self.procs[name].stop()
+        self.save()
+
+    # -- the state file ------------------------------------------------------------------
+    def save(self) -> None:
+        data = {
+            "nodes": self.nodes,
+            "api_key": self.api_key,
+            "gateway_port": self.gateway_port,
+            "scheduler_port": self.scheduler_port,
+            "redis_port": self.redis_port,
+            "procs": {name: asdict(proc) for name, proc in self.procs.items()},
+        }
+        path = self.root / STATE_FILE
+        path.write_text(json.dumps(data, indent=2))
+        path.chmod(0o600)
+
+    @classmethod
+    def load(cls, root: Path) -> LocalCluster:
+        data = json.loads((root / STATE_FILE).read_text())
+        cluster = cls(
+            root=root,
+            nodes=data["nodes"],
+            api_key=data["api_key"],
+            gateway_port=data["gateway_port"],
+            scheduler_port=data["scheduler_port"],
+            redis_port=data["redis_port"],
+        )
+        cluster.procs = {name: Proc(**proc) for name, proc in data["procs"].items()}
+        return cluster
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="cluster", description="A local agentenv cluster.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start Redis, scheduler, gateway and N nodes")
+    up.add_argument("--nodes", type=int, default=3)
+    up.add_argument("--port", type=int, default=8080, help="the gateway's port (8080)")
+    down = sub.add_parser("down", help="stop what `up` started")
+    for command in (up, down):
+        command.add_argument(
+            "--dir", type=Path, default=Path("/var/tmp/agentenv-cluster"), help="state and data"
+        )
+    args = parser.parse_args(argv)
+    if args.command == "down":
+        if not (args.dir / STATE_FILE).exists():
+            sys.exit(f"cluster: no cluster in {args.dir}")
+        LocalCluster.load(args.dir).down()
+        print(f"cluster in {args.dir} stopped")
+        return
+    if (args.dir / STATE_FILE).exists():
+        existing = LocalCluster.load(args.dir)
+        if any(proc.alive() for proc in existing.procs.values()):
+            sys.exit(f"cluster: one is running in {args.dir}; `cluster down --dir {args.dir}`")
+    cluster = LocalCluster(args.dir, nodes=args.nodes, gateway_port=args.port)
+    try:
+        cluster.up()
+    except ClusterStartError as exc:
+        sys.exit(f"cluster: {exc}")
+    print(f"{args.nodes} nodes, scheduler {cluster.scheduler_url}, Redis {cluster.redis_url}")
+    print(f"logs in {args.dir / 'logs'}; stop with: scripts/cluster down --dir {args.dir}\n")
+    for key, value in cluster.client_env().items():
+        print(f"export {key}={value}")
+
+
+if __name__ == "__main__":
+    main()

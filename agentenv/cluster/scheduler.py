@@ -1,0 +1,224 @@
+"""``aenv-scheduler``: the cluster's node registry, placement and sandbox→node bindings,
+served over HTTP (default ``127.0.0.1:9090``) to nodes (heartbeats) and gateways
+(placements, binding lookups). Bindings live in Redis with ``--redis``, else in memory;
+either way they are rebuilt from the nodes' heartbeat rosters (see ``registry``).
+
+It runs as a process of its own, never inside a gateway: gateways are stateless and
+several may run against one scheduler, so the registry (which holds the live node list
+and the reservations placements make between heartbeats) must be one, reachable by all
+of them and by every node. A scheduler inside one gateway would give each gateway its own
+view of load and reservations and make nodes heartbeat to every gateway. For a small
+setup, run one scheduler beside one gateway on the same host; it costs one more process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse
+
+from agentenv import __version__
+from agentenv.cluster.bindings import BindingStoreUnavailable, open_binding_store
+from agentenv.cluster.models import (
+    Binding,
+    BindRequest,
+    ClusterError,
+    NodeInfo,
+    NodeReport,
+    Placement,
+    PlacementRequest,
+)
+from agentenv.cluster.placement import Demand, LeastLoaded, PlacementStrategy
+from agentenv.cluster.registry import NoCapacity, NodeRegistry, UnknownNode
+
+log = logging.getLogger("agentenv.cluster.scheduler")
+
+DEFAULT_LISTEN = "127.0.0.1:9090"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(ClusterError(code=status, message=message).model_dump(), status)
+
+
+def create_scheduler_app(
+    registry: NodeRegistry, api_key: str, *, sweep_interval: float = 1.0
+) -> FastAPI:
+    """The scheduler's API over ``registry``; its lifespan loads the stored nodes and
+    marks silent ones down every ``sweep_interval`` seconds."""
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(sweep_interval)
+            for node_id in registry.mark_silent_down():
+                log.warning("node %s stopped heartbeating: marked down", node_id)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            await registry.load()
+        except BindingStoreUnavailable as exc:
+            # Serve anyway: heartbeats bring the nodes back, and bindings are answered
+            # (503) once the store is reachable again.
+            log.warning("nodes not loaded: %s", exc)
+        task = asyncio.get_running_loop().create_task(sweep())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await registry.store.aclose()
+
+    async def require_api_key(x_api_key: Annotated[str | None, Header()] = None) -> None:
+        if x_api_key is None or not secrets.compare_digest(x_api_key.encode(), api_key.encode()):
+            raise _Refused(401, "missing or invalid X-API-Key")
+
+    app = FastAPI(title="agentenv scheduler", version=__version__, lifespan=lifespan)
+    authed = [Depends(require_api_key)]
+
+    @app.exception_handler(_Refused)
+    async def refused(request: Request, exc: _Refused) -> JSONResponse:
+        return _error(exc.status, exc.message)
+
+    @app.exception_handler(BindingStoreUnavailable)
+    async def store_down(request: Request, exc: BindingStoreUnavailable) -> JSONResponse:
+        return _error(503, str(exc))
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return {"status": "ok", "version": __version__, "nodes": len(registry.nodes())}
+
+    @app.post("/heartbeats", response_model=NodeInfo, dependencies=authed)
+    async def heartbeat(report: NodeReport) -> NodeInfo:
+        return await registry.heartbeat(report)
+
+    @app.get("/nodes", response_model=list[NodeInfo], dependencies=authed)
+    async def list_nodes() -> list[NodeInfo]:
+        return registry.nodes()
+
+    @app.get("/nodes/{node_id}", response_model=NodeInfo, dependencies=authed)
+    async def get_node(node_id: str) -> NodeInfo:
+        node = registry.node(node_id)
+        if node is None:
+            raise _Refused(404, f"node {node_id!r} not found")
+        return node
+
+    @app.delete("/nodes/{node_id}", status_code=204, dependencies=authed)
+    async def node_left(node_id: str) -> Response:
+        await registry.forget(node_id)
+        return Response(status_code=204)
+
+    @app.post("/placements", response_model=Placement, dependencies=authed)
+    async def place(body: PlacementRequest) -> Placement:
+        demand = Demand(body.template_id, body.vcpus, body.memory_mib)
+        try:
+            placement_id, node = registry.place(demand)
+        except NoCapacity as exc:
+            raise _Refused(503, str(exc)) from exc
+        log.info("placed a sandbox of %s on %s", body.template_id, node.node_id)
+        return Placement(placementID=placement_id, node=node)
+
+    @app.delete("/placements/{placement_id}", status_code=204, dependencies=authed)
+    async def release(placement_id: str) -> Response:
+        registry.release(placement_id)
+        return Response(status_code=204)
+
+    @app.put("/bindings/{sandbox_id}", response_model=Binding, dependencies=authed)
+    async def bind(sandbox_id: str, body: BindRequest) -> Binding:
+        try:
+            return await registry.bind(sandbox_id, body.node_id, body.placement_id)
+        except UnknownNode as exc:
+            raise _Refused(404, str(exc)) from exc
+
+    @app.get("/bindings/{sandbox_id}", response_model=Binding, dependencies=authed)
+    async def lookup(sandbox_id: str) -> Binding:
+        binding = await registry.lookup(sandbox_id)
+        if binding is None:
+            raise _Refused(404, f"sandbox {sandbox_id} is bound to no node")
+        return binding
+
+    @app.delete("/bindings/{sandbox_id}", status_code=204, dependencies=authed)
+    async def unbind(sandbox_id: str) -> Response:
+        await registry.unbind(sandbox_id)
+        return Response(status_code=204)
+
+    return app
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def build_registry(
+    redis_url: str | None,
+    *,
+    overcommit: float,
+    node_timeout: float,
+    binding_grace: float,
+    strategy: PlacementStrategy | None = None,
+) -> NodeRegistry:
+    return NodeRegistry(
+        open_binding_store(redis_url),
+        strategy or LeastLoaded(overcommit=overcommit),
+        node_timeout=node_timeout,
+        binding_grace=binding_grace,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="aenv-scheduler", description=__doc__.split("\n")[0])
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"host:port ({DEFAULT_LISTEN})")
+    parser.add_argument("--redis", help="redis://host:port/db for bindings (default: memory)")
+    parser.add_argument(
+        "--overcommit",
+        type=float,
+        default=4.0,
+        help="how far allocations may exceed a node's CPUs and memory (default 4.0)",
+    )
+    parser.add_argument(
+        "--node-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat after which a node is down (default 10)",
+    )
+    parser.add_argument(
+        "--binding-grace",
+        type=float,
+        default=30.0,
+        help="seconds a new binding is kept though its node's roster lacks it (default 30)",
+    )
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    api_key = os.environ.get("AENV_API_KEY")
+    if not api_key:
+        sys.exit("aenv-scheduler: set AENV_API_KEY (the key nodes and gateways present)")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    registry = build_registry(
+        args.redis,
+        overcommit=args.overcommit,
+        node_timeout=args.node_timeout,
+        binding_grace=args.binding_grace,
+    )
+    app = create_scheduler_app(registry, api_key, sweep_interval=min(1.0, args.node_timeout / 4))
+    host, _, port = args.listen.rpartition(":")
+    uvicorn.run(app, host=host, port=int(port), log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,530 @@
+"""The cluster's scheduler and gateway without VMs: placement, the node registry and its
+bindings (in memory and in a real redis-server), listings merged across nodes, and the
+gateway's routing against fake nodes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentenv.cluster.bindings import MemoryBindings, RedisBindings
+from agentenv.cluster.gateway import Gateway
+from agentenv.cluster.listing import merge_pages, sandbox_key
+from agentenv.cluster.models import NodeReport, NodeState
+from agentenv.cluster.placement import Candidate, Demand, LeastLoaded
+from agentenv.cluster.registry import NoCapacity, NodeRegistry
+from agentenv.cluster.scheduler import create_scheduler_app
+from agentenv.cluster.scheduler_client import SchedulerClient
+from tests.helpers import free_port
+
+KEY = "e2b_" + "cd" * 20
+
+
+def report(node_id: str, **fields: Any) -> NodeReport:
+    values: dict[str, Any] = {
+        "nodeID": node_id,
+        "url": f"http://{node_id}.test",
+        "cpuCount": 4,
+        "memoryMib": 4096,
+        "allocatedVcpus": 0,
+        "allocatedMemoryMib": 0,
+        "sandboxVcpus": 2,
+        "sandboxMemoryMib": 512,
+        "templates": ["base"],
+        **fields,
+    }
+    return NodeReport.model_validate(values)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def registry(clock: Clock, store: Any = None, overcommit: float = 1.0) -> NodeRegistry:
+    return NodeRegistry(
+        store or MemoryBindings(),
+        LeastLoaded(overcommit=overcommit),
+        node_timeout=5.0,
+        binding_grace=10.0,
+        clock=clock,
+    )
+
+
+# -- placement ----------------------------------------------------------------------------
+def candidate(node_id: str, vcpus: int = 0, memory: int = 0, **fields: Any) -> Candidate:
+    from agentenv.cluster.models import NodeInfo
+
+    info = NodeInfo(
+        report=report(node_id, **fields), state=NodeState.UP, lastSeen="2026-01-01T00:00:00Z"
+    )  # type: ignore[arg-type]
+    return Candidate(info, vcpus, memory)
+
+
+def test_least_loaded_takes_the_emptiest_node_and_breaks_ties_by_id() -> None:
+    strategy = LeastLoaded()
+    demand = Demand("base")
+    assert strategy.choose([candidate("b"), candidate("a")], demand).node_id == "a"  # type: ignore[union-attr]
+    busy_a = candidate("a", vcpus=2, memory=512)
+    assert strategy.choose([busy_a, candidate("b")], demand).node_id == "b"  # type: ignore[union-attr]
+
+
+def test_overcommit_bounds_what_a_node_takes() -> None:
+    full = candidate("a", vcpus=4, memory=512)
+    assert LeastLoaded(overcommit=1.0).choose([full], Demand("base")) is None
+    assert LeastLoaded(overcommit=2.0).choose([full], Demand("base")) is not None
+    # Memory counts as well as CPUs.
+    assert LeastLoaded(overcommit=1.0).choose([candidate("a", memory=4000)], Demand("base")) is None
+
+
+def test_nodes_holding_the_template_come_first_and_broken_nodes_never() -> None:
+    holder = candidate("z", vcpus=2, memory=512, templates=["base", "snap-1"])
+    empty = candidate("a")
+    assert LeastLoaded().choose([empty, holder], Demand("snap-1")).node_id == "z"  # type: ignore[union-attr]
+    assert LeastLoaded().choose([empty, holder], Demand("base")).node_id == "a"  # type: ignore[union-attr]
+    broken = candidate("a", problem="base template failed")
+    assert LeastLoaded().choose([broken], Demand("base")) is None
+
+
+# -- the registry ---------------------------------------------------------------------------
+async def test_heartbeats_register_nodes_and_rosters_bind_sandboxes() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    await reg.heartbeat(report("a", sandboxes=["i1", "i2"]))
+    assert [n.node_id for n in reg.nodes()] == ["a"]
+    binding = await reg.lookup("i1")
+    assert binding is not None and binding.node_id == "a" and binding.node is not None
+    # A sandbox the node no longer reports is unbound once the grace has passed.
+    clock.now += 11
+    await reg.heartbeat(report("a", sandboxes=["i2"]))
+    assert await reg.lookup("i1") is None and await reg.lookup("i2") is not None
+
+
+async def test_a_new_binding_survives_a_report_collected_before_it() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    await reg.heartbeat(report("a"))
+    await reg.bind("i9", "a")
+    clock.now += 1
+    await reg.heartbeat(report("a", sandboxes=[]))
+    assert await reg.lookup("i9") is not None
+
+
+async def test_reservations_spread_placements_made_between_heartbeats() -> None:
+    clock = Clock()
+    reg = registry(clock, overcommit=1.0)
+    await reg.heartbeat(report("a", cpuCount=2))
+    await reg.heartbeat(report("b", cpuCount=2))
+    first_id, first = reg.place(Demand("base"))
+    _, second = reg.place(Demand("base"))
+    assert {first.node_id, second.node_id} == {"a", "b"}
+    with pytest.raises(NoCapacity):
+        reg.place(Demand("base"))
+    # A failed create gives its room back.
+    reg.release(first_id)
+    assert reg.place(Demand("base"))[1].node_id == first.node_id
+
+
+async def test_a_reservation_ends_when_the_roster_shows_the_sandbox() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    await reg.heartbeat(report("a", cpuCount=2))
+    placement_id, _ = reg.place(Demand("base"))
+    await reg.bind("i1", "a", placement_id)
+    assert reg.candidates()[0].vcpus == 2
+    await reg.heartbeat(report("a", cpuCount=2, sandboxes=["i1"], allocatedVcpus=2))
+    assert reg.candidates()[0].vcpus == 2  # now the node's own count, not twice
+
+
+async def test_silent_nodes_are_marked_down_and_come_back_with_a_heartbeat() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    await reg.heartbeat(report("a"))
+    await reg.heartbeat(report("b"))
+    clock.now += 3
+    await reg.heartbeat(report("b"))
+    clock.now += 3
+    assert reg.mark_silent_down() == ["a"]
+    assert reg.node("a").state is NodeState.DOWN  # type: ignore[union-attr]
+    assert [c.node_id for c in reg.candidates()] == ["b"]
+    await reg.heartbeat(report("a"))
+    assert reg.node("a").state is NodeState.UP  # type: ignore[union-attr]
+
+
+async def test_a_restarted_registry_relearns_bindings_from_rosters() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    await reg.heartbeat(report("a", sandboxes=["i1"]))
+    restarted = registry(clock)  # memory store: nothing kept
+    assert await restarted.lookup("i1") is None
+    await restarted.heartbeat(report("a", sandboxes=["i1"]))
+    assert (await restarted.lookup("i1")).node_id == "a"  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (scripts/install installs it)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                subprocess.run(
+                    ["redis-cli", "-p", str(port), "ping"], check=True, capture_output=True
+                )
+                break
+            except subprocess.CalledProcessError:
+                import time
+
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_redis_keeps_bindings_and_nodes_across_a_restart(redis_url: str) -> None:
+    clock = Clock()
+    reg = registry(clock, RedisBindings(redis_url))
+    await reg.heartbeat(report("a", sandboxes=["i1"]))
+    await reg.bind("i2", "a")
+    await reg.store.aclose()
+    restarted = registry(clock, RedisBindings(redis_url))
+    await restarted.load()
+    binding = await restarted.lookup("i2")
+    assert binding is not None and binding.node is not None
+    assert binding.node.report.url == "http://a.test" and binding.node.state is NodeState.UP
+    assert (await restarted.lookup("i1")).node_id == "a"  # type: ignore[union-attr]
+    await restarted.store.aclose()
+
+
+# -- listings -------------------------------------------------------------------------------
+def detail(sandbox_id: str, second: int) -> dict[str, Any]:
+    return {"sandboxID": sandbox_id, "startedAt": f"2026-12-04T10:00:{second:02d}.5Z"}
+
+
+def test_merged_pages_walk_every_node_once_in_order() -> None:
+    node_a = [detail("ia", s) for s in (1, 3, 5, 7)]
+    node_b = [detail("ib", s) for s in (2, 4, 6)]
+    seen: list[str] = []
+    token: str | None = None
+    while True:
+        pages = []
+        more = False
+        for items in (node_a, node_b):  # what each node would answer for (token, limit 2)
+            after = [i for i in items if token is None or sandbox_key(i) > token]
+            pages.append(after[:2])
+            more = more or len(after) > 2
+        page, token = merge_pages(pages, 2, more)
+        seen += [f"{i['sandboxID']}{i['startedAt'][17:19]}" for i in page]
+        if token is None:
+            break
+    assert seen == ["ia01", "ib02", "ia03", "ib04", "ia05", "ib06", "ia07"]
+    assert sandbox_key(detail("x", 1)) == "2026-12-04T10:00:01.500000+00:00|x"
+
+
+# -- the gateway against fake nodes ----------------------------------------------------------
+class _Body(httpx.AsyncByteStream):
+    """A body that streams, as a real node's does (``MockTransport`` reads ``content``)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.data
+
+
+def answer(status: int, data: Any) -> httpx.Response:
+    body = data if isinstance(data, bytes) else json.dumps(data).encode()
+    return httpx.Response(status, stream=_Body(body))
+
+
+class FakeNodes:
+    """Nodes answering the gateway: ``down`` ones refuse connections."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+        self.sandboxes: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+        self.requests: list[tuple[str, str]] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        node = request.url.host.split(".")[0]
+        self.requests.append((node, f"{request.method} {request.url.path}"))
+        if node in self.down:
+            raise httpx.ConnectError("connection refused")
+        path = request.url.path
+        if request.method == "POST" and path == "/sandboxes":
+            sandbox_id = f"i{node}{len(self.sandboxes[node])}"
+            self.sandboxes[node].append(detail(sandbox_id, len(self.sandboxes[node])))
+            return answer(201, {"sandboxID": sandbox_id})
+        if request.method == "POST" and path.endswith("/connect"):
+            # Only node "b" can adopt, and only sandboxes paused and committed ("ip...").
+            adoptable = node == "b" and path.split("/")[-2].startswith("ip")
+            return answer(201, {"node": node}) if adoptable else answer(404, {"code": 404})
+        if path == "/health":
+            health = {"status": "ok", "version": "0.1.0", "vmm": "qemu", "accel": "tcg"}
+            return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
+        if request.method == "GET" and path == "/v2/sandboxes":
+            return answer(200, self.sandboxes[node])
+        # Sandbox traffic reaches the node as it came: routing headers and Host kept.
+        if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
+            return answer(200, b"from " + node.encode())
+        return answer(200, {"node": node})
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[tuple[httpx.AsyncClient, FakeNodes, NodeRegistry]]:
+    clock = Clock()
+    reg = registry(clock, overcommit=4.0)
+    app = create_scheduler_app(reg, KEY)
+    nodes = FakeNodes()
+    scheduler = SchedulerClient(
+        "http://scheduler.test", KEY, transport=httpx.ASGITransport(app=app)
+    )
+    gw = Gateway(scheduler, KEY, "gw.test", transport=httpx.MockTransport(nodes.handler))
+    for node_id in ("a", "b"):
+        await scheduler.heartbeat(report(node_id))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gw), base_url="http://gw.test"
+    ) as client:
+        yield client, nodes, reg
+    await gw.aclose()
+
+
+async def test_gateway_places_binds_and_routes_to_the_owner(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, _nodes, _reg = gateway
+    first = (await client.post("/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
+    second = (await client.post("/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
+    assert {first[1], second[1]} == {"a", "b"}  # spread: ids are i{node}{n}
+    answer = await client.get("/files", headers={"E2b-Sandbox-Id": second})
+    assert answer.text == f"from {second[1]}"
+    by_host = await client.get("/", headers={"Host": f"8080-{first}.gw.test"})
+    assert by_host.text == f"from {first[1]}"
+    assert (await client.get(f"/sandboxes/{first}")).json() == {"node": first[1]}
+    unknown = await client.get("/sandboxes/inope")
+    assert unknown.status_code == 404
+
+
+async def test_gateway_lists_across_nodes_with_paging(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    for _ in range(3):
+        await client.post("/sandboxes", json={"templateID": "base"})
+    everything = (await client.get("/v2/sandboxes")).json()
+    assert len(everything) == 3
+    page = await client.get("/v2/sandboxes", params={"limit": 2})
+    assert len(page.json()) == 2 and page.headers["x-next-token"]
+    assert "x-aenv-nodes-down" not in page.headers
+    reg.clock.now += 60  # type: ignore[attr-defined]
+    await reg.heartbeat(report("a", sandboxes=[s["sandboxID"] for s in nodes.sandboxes["a"]]))
+    reg.mark_silent_down()
+    partial = await client.get("/v2/sandboxes")
+    assert partial.headers["x-aenv-nodes-down"] == "b"
+    assert len(partial.json()) == len(nodes.sandboxes["a"])
+
+
+async def test_a_sandbox_on_a_dead_node_is_503_node_unavailable(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    sandbox_id = (await client.post("/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
+    nodes.down.add(sandbox_id[1])
+    for answer in (
+        await client.get(f"/sandboxes/{sandbox_id}"),
+        await client.get("/health", headers={"E2b-Sandbox-Id": sandbox_id}),
+    ):
+        assert answer.status_code == 503
+        assert "node unavailable" in json.loads(answer.content)["message"]
+    # Once the scheduler marks it down the answer is the same, without trying the node.
+    reg.clock.now += 60  # type: ignore[attr-defined]
+    reg.mark_silent_down()
+    answer = await client.get(f"/sandboxes/{sandbox_id}")
+    assert answer.status_code == 503 and "stopped heartbeating" in answer.json()["message"]
+
+
+async def test_gateway_nodes_need_the_key(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, _, _ = gateway
+    assert (await client.get("/nodes")).status_code == 401
+    nodes = (await client.get("/nodes", headers={"X-API-Key": KEY})).json()
+    assert [n["report"]["nodeID"] for n in nodes] == ["a", "b"]
+    one = await client.get("/nodes/b", headers={"X-API-Key": KEY})
+    assert one.json()["state"] == "up"
+    assert (await client.get("/nodes/zz", headers={"X-API-Key": KEY})).status_code == 404
+
+
+async def test_an_unreachable_scheduler_is_a_503() -> None:
+    port = free_port()  # nothing listens there
+    gw = Gateway(SchedulerClient(f"http://127.0.0.1:{port}", KEY), KEY, None)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gw), base_url="http://gw.test"
+    ) as client:
+        for answer in (
+            await client.get("/sandboxes/iabc"),
+            await client.get("/", headers={"E2b-Sandbox-Id": "iabc"}),
+            await client.post("/sandboxes", json={"templateID": "base"}),
+        ):
+            assert answer.status_code == 503
+            assert "scheduler" in answer.json()["message"]
+    await gw.aclose()
+
+
+async def test_an_unreachable_redis_is_a_503_from_the_scheduler() -> None:
+    reg = registry(Clock(), RedisBindings(f"redis://127.0.0.1:{free_port()}/0"))
+    app = create_scheduler_app(reg, KEY)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://scheduler.test"
+    ) as client:
+        answer = await client.get("/bindings/iabc", headers={"X-API-Key": KEY})
+        assert answer.status_code == 503 and "unavailable" in answer.json()["message"]
+        beat = await client.post(
+            "/heartbeats", json=report("a").model_dump(by_alias=True), headers={"X-API-Key": KEY}
+        )
+        assert beat.status_code == 503
+    await reg.store.aclose()
+
+
+# -- WebSockets through a served gateway to a served fake node --------------------------------
+class ServedApp:
+    """An ASGI app served by uvicorn on a free port, in a thread, for the block."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+
+    def __enter__(self) -> ServedApp:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def echo_node() -> Any:
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+    from starlette.websockets import WebSocket
+
+    async def echo(ws: WebSocket) -> None:
+        await ws.accept()
+        seen = f"{ws.headers.get('host')} {ws.headers.get('e2b-sandbox-id')}"
+        await ws.send_text(seen)
+        async for text in ws.iter_text():
+            await ws.send_text(text.upper())
+
+    return Starlette(routes=[WebSocketRoute("/ws", echo)])
+
+
+def test_websockets_pass_through_the_gateway_both_ways() -> None:
+    import asyncio
+
+    from websockets.sync.client import connect
+
+    with ServedApp(echo_node()) as node:
+        clock = Clock()
+        reg = registry(clock)
+        scheduler_app = create_scheduler_app(reg, KEY)
+        scheduler_client = SchedulerClient(
+            "http://scheduler.test", KEY, transport=httpx.ASGITransport(app=scheduler_app)
+        )
+        gw = Gateway(scheduler_client, KEY, "gw.test")
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=f"http://127.0.0.1:{node.port}"))
+            await reg.bind("iws", "a")
+
+        asyncio.run(register())
+        with ServedApp(gw) as served:
+            url = f"ws://127.0.0.1:{served.port}/ws"
+            with connect(url, additional_headers={"E2b-Sandbox-Id": "iws"}) as ws:
+                assert ws.recv(timeout=10) == f"127.0.0.1:{served.port} iws"
+                ws.send("hello")
+                assert ws.recv(timeout=10) == "HELLO"
+            # By Host name: the node sees the name the client used.
+            import socket
+
+            sock = socket.create_connection(("127.0.0.1", served.port))
+            with connect("ws://3000-iws.gw.test/ws", sock=sock) as ws:
+                assert ws.recv(timeout=10) == "3000-iws.gw.test None"
+
+
+async def test_connect_moves_a_committed_paused_sandbox_off_a_dead_node(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("ipaused", "a")
+    await reg.bind("irunning", "a")
+    nodes.down.add("a")
+    moved = await client.post("/sandboxes/ipaused/connect", json={"timeout": 60})
+    assert moved.status_code == 201 and moved.json() == {"node": "b"}
+    assert (await reg.lookup("ipaused")).node_id == "b"  # type: ignore[union-attr]
+    # A sandbox no other node can adopt was running there: its node is the answer.
+    stuck = await client.post("/sandboxes/irunning/connect")
+    assert stuck.status_code == 503 and "node unavailable" in stuck.json()["message"]
+    # Bound to no node: any node adopts it if it can, else 404.
+    assert (await client.post("/sandboxes/ipnew/connect")).status_code == 201
+    assert (await client.post("/sandboxes/inope/connect")).status_code == 404
+
+
+async def test_gateway_health_is_a_node_health_for_the_cluster(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    from agentenv.client.wire import HEALTH
+
+    client, _, reg = gateway
+    await reg.heartbeat(report("a", sandboxes=["i1", "i2"]))
+    await reg.heartbeat(report("b", sandboxes=["i3"]))
+    health = HEALTH.validate_python((await client.get("/health")).json())  # what aenv reads
+    assert health.status == "ok" and health.sandboxes == 3 and health.vmm == "qemu"
+    reg.clock.now += 60  # type: ignore[attr-defined]
+    await reg.heartbeat(report("b"))
+    reg.mark_silent_down()
+    degraded = (await client.get("/health")).json()
+    assert degraded["status"] == "degraded" and degraded["detail"] == "nodes down: a"
+
+
+async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("i1", "a")
+    traffic = {"E2b-Sandbox-Id": "i1"}
+    assert (await client.get("/files", headers=traffic)).text == "from a"
+    await reg.bind("i1", "b")  # moved by someone else (another gateway, a heartbeat)
+    assert (await client.get("/files", headers=traffic)).text == "from a"  # cached
+    assert (await client.get("/sandboxes/i1")).json() == {"node": "b"}  # control: fresh
+    assert (await client.get("/files", headers=traffic)).text == "from b"
+    nodes.down.add("b")
+    assert (await client.get("/files", headers=traffic)).status_code == 503
+    await reg.bind("i1", "a")
+    assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
