@@ -20,6 +20,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SNAPSHOT_NOT_FOUND: 404,
     ErrorCode.REPOSITORY_UNAVAILABLE: 503,
     ErrorCode.NODE_CACHE_FULL: 507,
+    # Below the free-space floor, or a write that found no space.
+    ErrorCode.INSUFFICIENT_STORAGE: 507,
     ErrorCode.BUILD_FAILED: 400,
     # The alias lookup route answers 404, unlike a create's unknown template.
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,

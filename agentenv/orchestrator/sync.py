@@ -11,6 +11,7 @@ far they got (:mod:`.layout`). Records crossing the repository are the typed one
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from agentenv.orchestrator.errors import (
     Conflict,
     NodeCacheFull,
     OperationFailed,
+    OutOfSpace,
     RepositoryUnavailable,
     SandboxNotFound,
     SnapshotNotFound,
@@ -84,6 +86,9 @@ class RepositorySync:
         self.operations = operations
         self.supervisor = supervisor
         self.publishes_paused_state = publishes_paused_state
+        # Commits and uploads given up for want of space, by snapshot or sandbox id: why.
+        # Their files stay on this node (usable here); the next start tries them again.
+        self._stopped: dict[str, str] = {}
 
     def resume_unfinished(self) -> None:
         """Commits and uploads a previous run left unfinished start again."""
@@ -97,6 +102,30 @@ class RepositorySync:
                 if upload is not None and not upload.committed:
                     self.start_upload(sandbox.sandbox_id)
 
+    def stopped_commits(self) -> str | None:
+        """What was not committed for want of space (for ``/health``), if anything."""
+        if not self._stopped:
+            return None
+        ids = sorted(self._stopped)
+        shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        return (
+            f"{len(ids)} commit(s) to the repository stopped for want of space ({shown}), "
+            f"kept on this node and tried again at the next start; "
+            f"last: {self._stopped[ids[-1]]}"
+        )
+
+    def _stop_for_space(self, what: str, key: str, reason: str) -> None:
+        """Give up a commit or upload that found no space: retrying every few seconds
+        would only fill the log (and whatever space is freed) until someone makes room."""
+        self._stopped[key] = reason
+        log.error(
+            "%s %s stopped: %s; it stays on this node only and is committed again at the "
+            "server's next start",
+            what,
+            key,
+            reason,
+        )
+
     # -- snapshots and templates -------------------------------------------------------
     def start_commit(self, snapshot_id: str) -> None:
         self.supervisor.start_job(
@@ -105,10 +134,15 @@ class RepositorySync:
 
     async def _commit_until_done(self, snapshot_id: str) -> None:
         """Commit a local snapshot, retrying while the repository is unreachable: it
-        stays usable on this node meanwhile, and nothing is lost."""
+        stays usable on this node meanwhile, and nothing is lost. Not while there is no
+        space for it: that stops (and is reported) until the next start."""
+        self._stopped.pop(snapshot_id, None)
         while True:
             try:
                 await self.commit(snapshot_id)
+                return
+            except OutOfSpace as exc:
+                self._stop_for_space("committing", snapshot_id, str(exc))
                 return
             except Conflict as exc:
                 # Another node committed one under the same name meanwhile: this one
@@ -116,6 +150,9 @@ class RepositorySync:
                 log.error("%s loses its name: %s", snapshot_id, exc)
                 self.store.update_snapshot(snapshot_id, name=None)
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
+                if _no_space(exc):
+                    self._stop_for_space("committing", snapshot_id, str(exc))
+                    return
                 log.warning(
                     "committing %s failed (%s); retrying in %.0fs", snapshot_id, exc, COMMIT_RETRY_S
                 )
@@ -203,6 +240,7 @@ class RepositorySync:
             local = None
         if local is not None:
             await self.supervisor.cancel_job(_COMMIT, local.snapshot_id)
+            self._stopped.pop(local.snapshot_id, None)
         entry = await self.catalog.lookup(key)
         if entry is not None and entry.type != type_:
             entry = None
@@ -231,6 +269,7 @@ class RepositorySync:
 
     async def stop_upload(self, sandbox_id: str) -> None:
         await self.supervisor.cancel_job(_UPLOAD, sandbox_id)
+        self._stopped.pop(sandbox_id, None)
 
     def pause_committed(self, rec: SandboxRecord) -> bool:
         upload = SandboxDir(rec.workdir).upload_state()
@@ -238,12 +277,20 @@ class RepositorySync:
 
     async def _upload_until_done(self, sandbox_id: str) -> None:
         """Commit a paused sandbox to the repository, retrying while it is unreachable:
-        it stays paused (and resumable) on this node meanwhile."""
+        it stays paused (and resumable) on this node meanwhile. Not while there is no
+        space for it: that stops (and is reported) until the next start."""
+        self._stopped.pop(sandbox_id, None)
         while True:
             try:
                 await self._upload(sandbox_id)
                 return
+            except OutOfSpace as exc:
+                self._stop_for_space("uploading paused", sandbox_id, str(exc))
+                return
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
+                if _no_space(exc):
+                    self._stop_for_space("uploading paused", sandbox_id, str(exc))
+                    return
                 log.warning(
                     "uploading paused %s failed (%s); retrying in %.0fs",
                     sandbox_id,
@@ -483,3 +530,8 @@ class RepositorySync:
                 self.leases.forget(current)
                 await self.machines.discard(current)
             log.info("sandbox %s was resumed on node %s; dropped here", rec.sandbox_id, holder)
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether a local file operation failed for want of space."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
