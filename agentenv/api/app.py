@@ -34,6 +34,7 @@ from agentenv.api.models import (
     NetworkUpdate,
     NewSandbox,
     NodeCacheInfo,
+    NodeDiskInfo,
     PauseRequest,
     RefreshRequest,
     Sandbox,
@@ -62,6 +63,13 @@ log = logging.getLogger("agentenv.api")
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody} for status in (400, 401, 404, 409, 500, 503)
+}
+
+
+# Routes that write new files to the data directory (create, resume, snapshot, fork)
+# refuse to while it is below its free-space floor, or when a write finds no space.
+INSUFFICIENT_STORAGE: dict[int | str, dict[str, Any]] = {
+    507: {"model": ErrorBody, "description": "The node's disk is below its free-space floor"}
 }
 
 
@@ -227,6 +235,11 @@ def create_app(
             allocatedVcpus=node.allocated_vcpus,
             allocatedMemoryMib=node.allocated_memory_mib,
             memoryMode=node.memory_mode,
+            disk=NodeDiskInfo(
+                freeBytes=node.disk.free_bytes,
+                totalBytes=node.disk.total_bytes,
+                floorBytes=node.disk.floor_bytes,
+            ),
         )
 
     creates = IdempotentCreates()
@@ -254,6 +267,7 @@ def create_app(
     @app.post(
         "/sandboxes",
         status_code=201,
+        responses=INSUFFICIENT_STORAGE,
         response_model=Sandbox,
         response_model_by_alias=True,
         dependencies=authed,
@@ -271,6 +285,7 @@ def create_app(
     @app.post(
         "/v2/sandboxes",
         status_code=201,
+        responses=INSUFFICIENT_STORAGE,
         response_model=Sandbox,
         response_model_by_alias=True,
         dependencies=authed,
@@ -445,7 +460,8 @@ def create_app(
         "response_model": Sandbox,
         "response_model_by_alias": True,
         "responses": {
-            201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"}
+            201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"},
+            **INSUFFICIENT_STORAGE,
         },
         "dependencies": authed,
         "tags": ["sandboxes"],
@@ -469,6 +485,7 @@ def create_app(
     @app.post(
         "/sandboxes/{sandbox_id}/resume",
         status_code=201,
+        responses=INSUFFICIENT_STORAGE,
         response_model=Sandbox,
         response_model_by_alias=True,
         dependencies=authed,
@@ -483,6 +500,7 @@ def create_app(
     @app.post(
         "/sandboxes/{sandbox_id}/snapshots",
         status_code=201,
+        responses=INSUFFICIENT_STORAGE,
         response_model=SnapshotInfo,
         response_model_by_alias=True,
         dependencies=authed,
@@ -552,6 +570,7 @@ def create_app(
     @app.post(
         "/sandboxes/{sandbox_id}/fork",
         status_code=201,
+        responses=INSUFFICIENT_STORAGE,
         response_model=list[ForkResult],
         response_model_by_alias=True,
         response_model_exclude_none=True,

@@ -169,7 +169,9 @@ class Orchestrator:
             self.http,
             boot_timeout=config.template_boot_timeout,
         )
-        self._liveness = VmmLiveness(self.store, self._machines, self._operations, self._lifecycle)
+        self._liveness = VmmLiveness(
+            self.store, self._machines, self._operations, self._lifecycle, self._free_space
+        )
         self._recovery = Recovery(
             config.sandboxes_dir,
             config.snapshots_dir,
@@ -295,6 +297,8 @@ class Orchestrator:
                 if self.templates.building()
                 else ("failed" if self.templates.last_error else "pending")
             )
+        disk = self._free_space.reading()
+        problems = [self.templates.last_error, disk.problem(), self._sync.stopped_commits()]
         return NodeStatus(
             node=self.catalog.node,
             vmm=self.driver.name,
@@ -309,7 +313,8 @@ class Orchestrator:
             repository=self.catalog.url,
             sandboxes=sum(n for state, n in counts.items() if state in VISIBLE_STATES),
             templates=templates,
-            problem=self.templates.last_error,
+            disk=disk,
+            problem="; ".join(p for p in problems if p) or None,
         )
 
     async def get_settled(self, sandbox_id: str) -> SandboxView:
@@ -446,6 +451,11 @@ class Orchestrator:
         chosen = self.timeouts.pick(timeout)
         # A VMM exit already noticed is settled first: that sandbox is paused, and resumed.
         await self._liveness.settled(sandbox_id)
+        rec = self.store.get_sandbox(sandbox_id)
+        if rec is not None and rec.state == SandboxState.PAUSED:
+            # Only a paused one: a running sandbox answers as it would (409, or a connect's
+            # 200), whatever the disk.
+            self._free_space.check("resume")
         return await self._operations.run(
             sandbox_id, "resume", lambda: self._lifecycle.resume(sandbox_id, chosen), join=True
         )
@@ -455,6 +465,7 @@ class Orchestrator:
         repository. Raises :class:`SandboxNotFound` if the repository has no such paused
         sandbox and :class:`Conflict` if another node resumed it first."""
         self.timeouts.pick(timeout)
+        self._free_space.check("resume")
         await self._operations.run(
             sandbox_id, "adopt", lambda: self._sync.adopt(sandbox_id), join=True
         )
