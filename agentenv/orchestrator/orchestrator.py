@@ -398,6 +398,7 @@ class Orchestrator:
     ) -> SandboxView:
         """A sandbox restored from a machine snapshot that is not a template (a guest
         booted from an OCI image, which template builds start from)."""
+        self._free_space.check("create")
         identity = Identity(
             metadata=metadata,
             env_vars={},
