@@ -21,9 +21,15 @@ from agentenv.api.app import create_app
 from agentenv.api.errors import http_status
 from agentenv.config import Config
 from agentenv.orchestrator.diskspace import DiskSpace
-from agentenv.orchestrator.errors import BelowFreeSpaceFloor, Conflict, OutOfSpace
+from agentenv.orchestrator.errors import (
+    BelowFreeSpaceFloor,
+    Conflict,
+    OutOfSpace,
+    SandboxStartFailed,
+)
 from agentenv.orchestrator.states import SandboxState
 from agentenv.snapshots.objects import PosixObjectStore
+from agentenv.vmm.base import VMMStartError
 from tests.fakes import FAKE_TEMPLATE, Node, start_node, vm_dir
 
 pytestmark = pytest.mark.skipif(
@@ -123,6 +129,27 @@ async def test_health_degrades_below_the_floor_and_says_why(node: Node) -> None:
             "/sandboxes/{sandbox_id}/fork",
         ]:
             assert "507" in paths[path]["post"]["responses"], path
+
+
+async def test_a_create_that_fails_on_a_full_disk_is_a_507(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no floor (or space just above it), a guest restored on a disk without room
+    for its RAM file fails as whatever broke first; the caller is told it was the disk."""
+    orch = node.orchestrator
+    node.driver.fail_next("restore", VMMStartError("QEMU exited: signal 7"))
+    full = DiskSpace(free_bytes=1 << 20, total_bytes=GIB, floor_bytes=0)
+    monkeypatch.setattr(orch._free_space, "reading", lambda: full)
+    with pytest.raises(OutOfSpace, match="starting a sandbox: out of space") as raised:
+        await orch.create(FAKE_TEMPLATE)
+    assert "1 MiB free" in str(raised.value) and "signal 7" in str(raised.value)
+    assert http_status(raised.value) == 507
+    assert orch.store.list_sandboxes() == []
+    # With room, a failure is what it was.
+    monkeypatch.undo()
+    node.driver.fail_next("restore", VMMStartError("QEMU exited: signal 7"))
+    with pytest.raises(SandboxStartFailed):
+        await orch.create(FAKE_TEMPLATE)
 
 
 # -- a VMM killed by SIGBUS -----------------------------------------------------------------

@@ -48,6 +48,12 @@ class DiskSpace:
         floor = f", free-space floor {mib(self.floor_bytes)}" if self.floor_bytes else ""
         return f"{mib(self.free_bytes)} free of {mib(self.total_bytes)}{floor}"
 
+    def too_full_for(self, memory_bytes: int) -> bool:
+        """Whether a guest of ``memory_bytes`` RAM may have failed for want of space:
+        below the floor, or with less free than its RAM file can grow by (a reflink of
+        its template's, it takes new blocks as the guest writes)."""
+        return self.below_floor or self.free_bytes < memory_bytes
+
     def problem(self) -> str | None:
         """Why the node is degraded by its disk, if it is."""
         if not self.below_floor:

@@ -180,9 +180,7 @@ class VmmLiveness:
         pages the guest writes need new blocks); a write fault the filesystem cannot
         back (ENOSPC), or a read it cannot serve, is a SIGBUS in the VMM."""
         disk = self.free_space.reading()
-        # Full if the guest could not have grown its RAM file to its whole size: the
-        # blocks its last fault needed went to whoever else was writing.
-        if disk.below_floor or disk.free_bytes < rec.memory_mib << 20:
+        if disk.too_full_for(rec.memory_mib << 20):
             return (
                 f"the data filesystem is full ({disk.describe()}): the guest wrote to "
                 "its RAM file and no block was left to back the write",

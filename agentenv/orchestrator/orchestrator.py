@@ -45,7 +45,9 @@ from agentenv.orchestrator.errors import (
     GuestUnavailable,
     InvalidRequest,
     OperationFailed,
+    OutOfSpace,
     SandboxNotFound,
+    SandboxStartFailed,
 )
 from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
@@ -415,14 +417,25 @@ class Orchestrator:
         self, source: Source, identity: Identity, timeout: int, *, private_memory: bool
     ) -> SandboxView:
         sandbox_id = new_sandbox_id()
-        return await self._operations.run(
-            sandbox_id,
-            "create",
-            lambda: self._lifecycle.create(
-                sandbox_id, source, identity, timeout, private_memory=private_memory
-            ),
-            join=False,
-        )
+        try:
+            return await self._operations.run(
+                sandbox_id,
+                "create",
+                lambda: self._lifecycle.create(
+                    sandbox_id, source, identity, timeout, private_memory=private_memory
+                ),
+                join=False,
+            )
+        except SandboxStartFailed as exc:
+            # On a disk too full for the guest's RAM file the failure shows as whatever
+            # broke first (a VMM killed by SIGBUS mid-restore, envd's /init unanswered):
+            # the caller is told it was the disk (507), not an internal error.
+            disk = self._free_space.reading()
+            if disk.too_full_for(source.snapshot.memory_mib << 20):
+                raise OutOfSpace(
+                    "starting a sandbox", f"the data filesystem has {disk.describe()} ({exc})"
+                ) from exc
+            raise
 
     # -- pause and resume ------------------------------------------------------------------
     async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxView:
