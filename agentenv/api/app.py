@@ -69,7 +69,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 # Routes that write new files to the data directory (create, resume, snapshot, fork)
 # refuse to while it is below its free-space floor, or when a write finds no space.
 INSUFFICIENT_STORAGE: dict[int | str, dict[str, Any]] = {
-    507: {"model": ErrorBody, "description": "The node's disk is below its free-space floor"}
+    507: {
+        "model": ErrorBody,
+        "description": "No room on the node: below its free-space floor, or a write found none",
+    }
 }
 
 
