@@ -27,6 +27,7 @@ from agentenv.orchestrator.errors import (
     OutOfSpace,
     SandboxStartFailed,
 )
+from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.states import SandboxState
 from agentenv.snapshots.objects import PosixObjectStore
 from agentenv.vmm.base import VMMStartError
@@ -206,6 +207,12 @@ async def test_a_commit_that_finds_no_space_stops_and_is_reported(
 ) -> None:
     orch = node.orchestrator
     view = await orch.create(FAKE_TEMPLATE)
+
+    def committing() -> bool:
+        return any(
+            orch._supervisor.job("commit", s.snapshot_id) for s in orch.store.list_snapshots()
+        )
+
     with monkeypatch.context() as patched:
         patched.setattr(PosixObjectStore, "_install", _no_space)
         patched.setattr(PosixObjectStore, "_install_if_absent", _no_space)
@@ -213,17 +220,26 @@ async def test_a_commit_that_finds_no_space_stops_and_is_reported(
         with pytest.raises(OutOfSpace, match="out of space"):
             await orch.snapshot(view.sandbox_id, "waited", wait_commit=True)
         with caplog.at_level(logging.WARNING):
-            snap = await orch.snapshot(view.sandbox_id, "later")
-            await _until(lambda: orch._supervisor.job("commit", snap.snapshot_id) is None)
+            later = await orch.snapshot(view.sandbox_id, "later")
+            dropped = await orch.snapshot(view.sandbox_id, "dropped")
+            await _until(lambda: not committing())
         stopped = [r for r in caplog.records if "stopped" in r.getMessage()]
-        assert len(stopped) == 1 and stopped[0].levelno == logging.ERROR
-        assert snap.snapshot_id in stopped[0].getMessage()
+        assert len(stopped) == 2 and {r.levelno for r in stopped} == {logging.ERROR}
+        assert later.snapshot_id in stopped[0].getMessage()
         assert not [r for r in caplog.records if "retrying" in r.getMessage()]
         problem = orch.node_status().problem
-        assert problem is not None and snap.snapshot_id in problem and "space" in problem
+        assert problem is not None and later.snapshot_id in problem and "space" in problem
         # Still usable on this node.
         child = await orch.create("later")
         assert child.state == "running"
-    # Deleting it forgets the report.
-    await orch.delete_snapshot(snap.snapshot_id)
+        # Deleted, one is no longer reported.
+        await orch.delete_snapshot(dropped.snapshot_id)
+        problem = orch.node_status().problem
+        assert problem is not None and dropped.snapshot_id not in problem
+    # Room again: the next commit that succeeds takes the stopped one along.
+    after = await orch.snapshot(view.sandbox_id, "after")
+    await _until(lambda: not committing())
+    for snap in (later, after):
+        assert SnapshotDir(snap.record.snapshot_dir).committed()
     assert orch.node_status().problem is None
+    assert (await orch.get_snapshot("later")).snapshot_id == later.snapshot_id

@@ -18,6 +18,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from agentenv.network.policy import EgressPolicy
 from agentenv.orchestrator.catalog import Catalog
@@ -86,9 +87,10 @@ class RepositorySync:
         self.operations = operations
         self.supervisor = supervisor
         self.publishes_paused_state = publishes_paused_state
-        # Commits and uploads given up for want of space, by snapshot or sandbox id: why.
-        # Their files stay on this node (usable here); the next start tries them again.
-        self._stopped: dict[str, str] = {}
+        # Commits and uploads given up for want of space, by snapshot or sandbox id: which
+        # job and why. Their files stay on this node (usable here); they are tried again
+        # after the next commit or upload that succeeds, and at the next start.
+        self._stopped: dict[str, _Stopped] = {}
 
     def resume_unfinished(self) -> None:
         """Commits and uploads a previous run left unfinished start again."""
@@ -110,21 +112,30 @@ class RepositorySync:
         shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
         return (
             f"{len(ids)} commit(s) to the repository stopped for want of space ({shown}), "
-            f"kept on this node and tried again at the next start; "
-            f"last: {self._stopped[ids[-1]]}"
+            "kept on this node and tried again once a commit succeeds or at the next start; "
+            f"last: {self._stopped[ids[-1]].reason}"
         )
 
-    def _stop_for_space(self, what: str, key: str, reason: str) -> None:
+    def _stop_for_space(self, job: str, key: str, reason: str) -> None:
         """Give up a commit or upload that found no space: retrying every few seconds
         would only fill the log (and whatever space is freed) until someone makes room."""
-        self._stopped[key] = reason
+        self._stopped[key] = _Stopped(job, reason)
         log.error(
-            "%s %s stopped: %s; it stays on this node only and is committed again at the "
-            "server's next start",
-            what,
+            "%s %s stopped for want of space: %s; it stays on this node only and is tried "
+            "again once a commit succeeds, or at the server's next start",
+            "committing" if job == _COMMIT else "uploading paused",
             key,
             reason,
         )
+
+    def _retry_stopped(self) -> None:
+        """A commit or upload went through, so the repository may have room again: those
+        stopped for want of space try once more (each stops again at its first ENOSPC)."""
+        for key, stopped in list(self._stopped.items()):
+            if stopped.job == _COMMIT:
+                self.start_commit(key)
+            else:
+                self.start_upload(key)
 
     # -- snapshots and templates -------------------------------------------------------
     def start_commit(self, snapshot_id: str) -> None:
@@ -135,14 +146,15 @@ class RepositorySync:
     async def _commit_until_done(self, snapshot_id: str) -> None:
         """Commit a local snapshot, retrying while the repository is unreachable: it
         stays usable on this node meanwhile, and nothing is lost. Not while there is no
-        space for it: that stops (and is reported) until the next start."""
+        space for it: that stops (and is reported) until a commit succeeds."""
         self._stopped.pop(snapshot_id, None)
         while True:
             try:
                 await self.commit(snapshot_id)
+                self._retry_stopped()
                 return
             except OutOfSpace as exc:
-                self._stop_for_space("committing", snapshot_id, str(exc))
+                self._stop_for_space(_COMMIT, snapshot_id, str(exc))
                 return
             except Conflict as exc:
                 # Another node committed one under the same name meanwhile: this one
@@ -151,7 +163,7 @@ class RepositorySync:
                 self.store.update_snapshot(snapshot_id, name=None)
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
                 if _no_space(exc):
-                    self._stop_for_space("committing", snapshot_id, str(exc))
+                    self._stop_for_space(_COMMIT, snapshot_id, str(exc))
                     return
                 log.warning(
                     "committing %s failed (%s); retrying in %.0fs", snapshot_id, exc, COMMIT_RETRY_S
@@ -278,18 +290,19 @@ class RepositorySync:
     async def _upload_until_done(self, sandbox_id: str) -> None:
         """Commit a paused sandbox to the repository, retrying while it is unreachable:
         it stays paused (and resumable) on this node meanwhile. Not while there is no
-        space for it: that stops (and is reported) until the next start."""
+        space for it: that stops (and is reported) until a commit succeeds."""
         self._stopped.pop(sandbox_id, None)
         while True:
             try:
                 await self._upload(sandbox_id)
+                self._retry_stopped()
                 return
             except OutOfSpace as exc:
-                self._stop_for_space("uploading paused", sandbox_id, str(exc))
+                self._stop_for_space(_UPLOAD, sandbox_id, str(exc))
                 return
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
                 if _no_space(exc):
-                    self._stop_for_space("uploading paused", sandbox_id, str(exc))
+                    self._stop_for_space(_UPLOAD, sandbox_id, str(exc))
                     return
                 log.warning(
                     "uploading paused %s failed (%s); retrying in %.0fs",
@@ -530,6 +543,11 @@ class RepositorySync:
                 self.leases.forget(current)
                 await self.machines.discard(current)
             log.info("sandbox %s was resumed on node %s; dropped here", rec.sandbox_id, holder)
+
+
+class _Stopped(NamedTuple):
+    job: str  # _COMMIT or _UPLOAD
+    reason: str
 
 
 def _no_space(exc: BaseException) -> bool:
