@@ -20,7 +20,7 @@ import pytest
 from agentenv.api.app import create_app
 from agentenv.api.errors import http_status
 from agentenv.config import Config
-from agentenv.orchestrator.diskspace import DiskSpace
+from agentenv.orchestrator.diskspace import DiskSpace, FreeSpaceFloor
 from agentenv.orchestrator.errors import (
     BelowFreeSpaceFloor,
     Conflict,
@@ -79,6 +79,22 @@ def test_below_the_floor_is_a_507_that_says_what_was_refused() -> None:
         refused
     )
     assert http_status(OutOfSpace("committing x", "disk full")) == 507
+
+
+async def test_crossing_the_floor_is_logged_once_each_way(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    floor = FreeSpaceFloor(Config(home=tmp_path, free_space_floor="1000T"))
+    with caplog.at_level(logging.INFO, logger="agentenv.orchestrator"):
+        await floor.watch()
+        await floor.watch()
+        floor.config = Config(home=tmp_path, free_space_floor="1K")
+        await floor.watch()
+        await floor.watch()
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert messages[0][0] == logging.WARNING and "below its free-space floor" in messages[0][1]
+    assert messages[1][0] == logging.INFO and "above its floor again" in messages[1][1]
 
 
 # -- resumes and /health --------------------------------------------------------------------

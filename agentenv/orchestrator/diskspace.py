@@ -16,11 +16,14 @@ a guest that finds none anyway (its VMM dies of SIGBUS) is reported by
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from agentenv.config import Config
 from agentenv.orchestrator.errors import BelowFreeSpaceFloor
+
+log = logging.getLogger("agentenv.orchestrator")
 
 
 def mib(size: int) -> str:
@@ -68,6 +71,8 @@ class DiskSpace:
 class FreeSpaceFloor:
     def __init__(self, config: Config) -> None:
         self.config = config
+        # Whether the last watch() found the disk below the floor.
+        self._was_below = False
 
     def reading(self) -> DiskSpace:
         """The data directory's filesystem now (one ``statvfs``: microseconds)."""
@@ -84,3 +89,17 @@ class FreeSpaceFloor:
         disk = self.reading()
         if disk.below_floor:
             raise BelowFreeSpaceFloor(operation, disk.free_bytes, disk.floor_bytes)
+
+    async def watch(self) -> None:
+        """Log when the disk falls below the floor and when it is back above: /health
+        says so too, but a node filling up should be noticed by whoever reads the log."""
+        if self.config.free_space_floor is None:
+            return
+        disk = self.reading()
+        if disk.below_floor and not self._was_below:
+            log.warning("%s", disk.problem())
+        elif self._was_below and not disk.below_floor:
+            log.info(
+                "the data directory's filesystem is above its floor again: %s", disk.describe()
+            )
+        self._was_below = disk.below_floor

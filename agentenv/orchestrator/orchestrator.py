@@ -78,6 +78,7 @@ AUTO_PAUSE_RETRY_S = 60
 RAM_FLUSH_INTERVAL_S = 5.0
 HANDOFF_CHECK_INTERVAL_S = 5.0
 REAP_INTERVAL_S = 0.5
+FREE_SPACE_CHECK_INTERVAL_S = 5.0
 
 __all__ = ["NodeStatus", "Orchestrator", "SandboxView", "SnapshotView", "resolve_subnet"]
 
@@ -228,6 +229,7 @@ class Orchestrator:
         self._supervisor.every(
             "ram-flush", RAM_FLUSH_INTERVAL_S, self._machines.flush_shared_memory
         )
+        self._supervisor.every("free-space", FREE_SPACE_CHECK_INTERVAL_S, self._free_space.watch)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
         self._started = True
