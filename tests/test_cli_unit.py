@@ -251,6 +251,20 @@ def test_auth_rejects_a_key_the_server_rejects_and_stores_nothing(
     assert server.requests[-1].url.host == "elsewhere.test"
 
 
+def test_health_shows_the_disk_and_why_the_node_is_degraded(
+    server: StandIn, capsys: pytest.CaptureFixture[str]
+) -> None:
+    health = {"status": "degraded", "version": "0.1.0", "vmm": "qemu", "accel": "tcg",
+              "templates": {}, "sandboxes": 0, "detail": "below its free-space floor",
+              "disk": {"freeBytes": 1 << 29, "totalBytes": 8 << 30,
+                       "floorBytes": 1 << 30}}  # fmt: skip
+    server.routes["GET", "/health"] = lambda _: httpx.Response(200, json=health)
+    code, out, _ = run(capsys, "health", "-o", "table")
+    assert code == 0
+    assert "0.5 GiB free of 8.0 GiB, floor 1.0 GiB" in out
+    assert "degraded" in out and "below its free-space floor" in out
+
+
 @pytest.mark.parametrize(
     ("error", "code", "message"),
     [

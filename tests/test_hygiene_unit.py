@@ -22,7 +22,7 @@ from agentenv.limits import (
     MAX_METADATA_ENTRIES,
     MAX_METADATA_VALUE_LENGTH,
 )
-from agentenv.orchestrator.errors import InvalidRequest, NodeCacheFull
+from agentenv.orchestrator.errors import BelowFreeSpaceFloor, InvalidRequest
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 from agentenv.orchestrator.tokens import KEY_FILE, EnvdTokens, TokenKeyMismatch, token_digest
@@ -292,11 +292,11 @@ async def test_below_the_floor_nothing_is_created_forked_or_snapshotted(
     sandboxes = sorted(p.name for p in node.config.sandboxes_dir.iterdir())
     snapshots = sorted(p.name for p in node.config.snapshots_dir.iterdir())
     records = [r.sandbox_id for r in node.orchestrator.store.list_sandboxes()]
-    with pytest.raises(NodeCacheFull, match="create refused"):
+    with pytest.raises(BelowFreeSpaceFloor, match="create refused"):
         await node.orchestrator.create(FAKE_TEMPLATE)
-    with pytest.raises(NodeCacheFull, match="fork refused"):
+    with pytest.raises(BelowFreeSpaceFloor, match="fork refused"):
         await node.orchestrator.fork(running.sandbox_id, 1, None)
-    with pytest.raises(NodeCacheFull, match="snapshot refused"):
+    with pytest.raises(BelowFreeSpaceFloor, match="snapshot refused"):
         await node.orchestrator.snapshot(running.sandbox_id, "s1")
     assert sorted(p.name for p in node.config.sandboxes_dir.iterdir()) == sandboxes
     assert sorted(p.name for p in node.config.snapshots_dir.iterdir()) == snapshots

@@ -39,6 +39,7 @@ from agentenv.api.models import (
     NetworkUpdate,
     NewSandbox,
     NodeCacheInfo,
+    NodeDiskInfo,
     PauseRequest,
     RefreshRequest,
     Sandbox,
@@ -225,6 +226,11 @@ def create_app(
             allocatedVcpus=node.allocated_vcpus,
             allocatedMemoryMib=node.allocated_memory_mib,
             memoryMode=node.memory_mode,
+            disk=NodeDiskInfo(
+                freeBytes=node.disk.free_bytes,
+                totalBytes=node.disk.total_bytes,
+                floorBytes=node.disk.floor_bytes,
+            ),
         )
 
     creates = IdempotentCreates()
@@ -461,7 +467,7 @@ def create_app(
         "response_model": Sandbox,
         "response_model_by_alias": True,
         "responses": {
-            201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"}
+            201: {"model": Sandbox, "description": "The sandbox was paused and is resumed"},
         },
         "dependencies": authed,
         "tags": ["sandboxes"],

@@ -34,6 +34,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SNAPSHOT_NOT_FOUND: 404,
     ErrorCode.REPOSITORY_UNAVAILABLE: 503,
     ErrorCode.NODE_CACHE_FULL: 507,
+    # Below the free-space floor, or a write that found no space.
+    ErrorCode.INSUFFICIENT_STORAGE: 507,
     ErrorCode.BUILD_FAILED: 400,
     # The alias lookup route answers 404, unlike a create's unknown template.
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,
@@ -51,7 +53,7 @@ _DESCRIPTIONS = {
     500: "Internal error",
     502: "The sandbox's guest did not answer",
     503: "Repository or capacity unavailable; retry later",
-    507: "Not enough space on the node (free-space floor, cache full)",
+    507: "No room on the node: below its free-space floor, a write found none, or cache full",
 }
 
 

@@ -326,6 +326,17 @@ class NodeCacheInfo(BaseModel):
     entries: int
 
 
+class NodeDiskInfo(BaseModel):
+    """The data directory's filesystem: below ``floorBytes`` free (0: no floor), creates,
+    resumes, snapshots and forks answer 507 and ``status`` is ``degraded``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    free_bytes: int = Field(alias="freeBytes")
+    total_bytes: int = Field(alias="totalBytes")
+    floor_bytes: int = Field(alias="floorBytes")
+
+
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     version: str
@@ -342,6 +353,7 @@ class Health(BaseModel):
     allocated_vcpus: int = Field(default=0, alias="allocatedVcpus")
     allocated_memory_mib: int = Field(default=0, alias="allocatedMemoryMib")
     memory_mode: str | None = Field(default=None, alias="memoryMode")
+    disk: NodeDiskInfo | None = None
 
 
 class SandboxMetric(BaseModel):

@@ -329,9 +329,17 @@ def health(output: Output = None) -> None:
         ("sandboxes", str(status.sandboxes)),
     ]
     rows += [(f"template {name}", state) for name, state in status.templates.items()]
+    if status.disk is not None:
+        disk = status.disk
+        floor = f", floor {_gib(disk.floor_bytes)}" if disk.floor_bytes else ""
+        rows.append(("disk", f"{_gib(disk.free_bytes)} free of {_gib(disk.total_bytes)}{floor}"))
     if status.detail:
         rows.append(("detail", status.detail))
     table(("", ""), rows, title=cp.server)
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
 
 
 @template_app.command("ls")

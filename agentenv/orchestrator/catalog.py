@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,13 +25,14 @@ from agentenv.orchestrator.errors import (
     Conflict,
     InvalidRequest,
     NodeCacheFull,
+    OutOfSpace,
     RepositoryUnavailable,
 )
 from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.leases import CollectionBusy
-from agentenv.snapshots.objects import RepositoryError, open_store
+from agentenv.snapshots.objects import RepositoryError, RepositoryFull, open_store
 from agentenv.snapshots.publish import DigestMemo, Fetcher, KnownChunks, Published, Publisher
 from agentenv.snapshots.repository import InvalidName, Repository
 
@@ -49,9 +51,16 @@ async def _guard(what: str, work: Awaitable[T]) -> T:
         raise NodeCacheFull(f"{what}: {exc}") from exc
     except InvalidName as exc:
         raise InvalidRequest(str(exc)) from exc
+    except RepositoryFull as exc:
+        raise OutOfSpace(what, str(exc)) from exc
     except RepositoryError as exc:
         raise RepositoryUnavailable(f"{what}: {exc}") from exc
-    except (OSError, SnapshotError, MalformedRecord) as exc:
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # This node's own files (its cache, a staging copy): no room here either.
+            raise OutOfSpace(what, str(exc)) from exc
+        raise RepositoryUnavailable(f"{what}: {exc}") from exc
+    except (SnapshotError, MalformedRecord) as exc:
         raise RepositoryUnavailable(f"{what}: {exc}") from exc
 
 

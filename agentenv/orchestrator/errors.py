@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     SNAPSHOT_NOT_FOUND = "snapshot_not_found"
     REPOSITORY_UNAVAILABLE = "repository_unavailable"
     NODE_CACHE_FULL = "node_cache_full"
+    INSUFFICIENT_STORAGE = "insufficient_storage"
     BUILD_FAILED = "build_failed"
     TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
 
@@ -99,6 +100,40 @@ class NodeCacheFull(OrchestratorError):
     """What this node must fetch does not fit its cache: everything in it is in use."""
 
     code = ErrorCode.NODE_CACHE_FULL
+
+
+class InsufficientStorage(OrchestratorError):
+    """There is no room for what an operation would write: this node's data filesystem
+    or the repository."""
+
+    code = ErrorCode.INSUFFICIENT_STORAGE
+
+
+class BelowFreeSpaceFloor(InsufficientStorage):
+    """The data directory's filesystem has less free space than its floor
+    (``Config.free_space_floor``), so ``operation`` was refused before it started."""
+
+    def __init__(self, operation: str, free_bytes: int, floor_bytes: int) -> None:
+        super().__init__(
+            f"{operation} refused: the node's data directory has {_mib(free_bytes)} free, "
+            f"below its free-space floor of {_mib(floor_bytes)} (free_space_floor)"
+        )
+        self.operation = operation
+        self.free_bytes = free_bytes
+        self.floor_bytes = floor_bytes
+
+
+class OutOfSpace(InsufficientStorage):
+    """A write failed for want of space (ENOSPC, EDQUOT, or an object store saying it is
+    full); ``where`` says what was being written."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where}: out of space: {reason}")
+        self.where = where
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
 
 
 class BuildFailed(OrchestratorError):

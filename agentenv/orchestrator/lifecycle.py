@@ -324,8 +324,11 @@ class Lifecycle:
         """Turn a sandbox without a VMM (in state ``expected``) into a filesystem-only
         pause: marker written, RAM discarded, network released."""
         directory = SandboxDir(rec.workdir)
-        directory.mark_disk_only()
+        # RAM first: when the VMM died of a full disk, the blocks its RAM file held are
+        # what lets the marker and the state change be written. A crash in between
+        # leaves a sandbox without a VMM, which recovery settles the same way.
         directory.memory_file.unlink(missing_ok=True)
+        directory.mark_disk_only()
         await self.leases.release_now(rec)
         self.store.transition(
             rec.sandbox_id, expected, S.PAUSED, pause_mode="filesystem", memory_mode="shared"

@@ -4,7 +4,9 @@ process through its pidfd), logged with why (signal or exit status, the tail of 
 VMM's log and of the guest console), and settled through the state machine as a
 restart's recovery would: a sandbox whose disk survives becomes a filesystem-only pause
 (it boots from its disk on connect or resume; its processes restart), any other is
-removed. E2B has no "crashed" state, so the API shows ``paused`` or nothing.
+removed. E2B has no "crashed" state, so the API shows ``paused`` or nothing. A VMM
+killed by SIGBUS is said to have died of a full data filesystem when it did (its RAM
+file could not grow; see :mod:`.diskspace` for why that is not reserved up front).
 
 Only unexpected exits get here: the server detaches a VM (:meth:`Machines.pop`) before
 it kills or stops it on purpose (kill, pause, rollbacks), and a settling re-checks,
@@ -21,15 +23,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from agentenv.orchestrator.diskspace import FreeSpaceFloor
 from agentenv.orchestrator.errors import Conflict, SandboxNotFound
 from agentenv.orchestrator.lifecycle import Lifecycle
 from agentenv.orchestrator.machines import Machines
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.states import VM_STATES, SandboxState
-from agentenv.orchestrator.store import Store
+from agentenv.orchestrator.store import SandboxRecord, Store
 from agentenv.vmm.base import VirtualMachine, VMMExit, VMRunState
 
 log = logging.getLogger("agentenv.orchestrator")
@@ -49,8 +53,10 @@ class VmmLiveness:
         machines: Machines,
         operations: SandboxOperations,
         lifecycle: Lifecycle,
+        free_space: FreeSpaceFloor,
     ) -> None:
         self.store = store
+        self.free_space = free_space
         self.machines = machines
         self.operations = operations
         self.lifecycle = lifecycle
@@ -136,10 +142,16 @@ class VmmLiveness:
         if rec is None or rec.state not in VM_STATES:
             return False
         why = f"{how.describe()}, not by this server"
+        level = logging.WARNING
+        if how.returncode == -signal.SIGBUS:
+            cause, full = self._bus_error_cause(rec)
+            why += f": {cause}"
+            level = logging.ERROR if full else level
         disk = self.machines.current_disk(rec)[0]
         if disk.exists():
             await self.lifecycle.keep_disk_only(rec, rec.state)
-            log.warning(
+            log.log(
+                level,
                 "sandbox %s: its VMM %s; kept as a filesystem-only pause (its disk "
                 "survives; it boots from it on connect or resume, its processes restart)"
                 "\n%s",
@@ -148,7 +160,8 @@ class VmmLiveness:
                 how.log_tail,
             )
         else:
-            log.warning(
+            log.log(
+                level,
                 "sandbox %s: its VMM %s, and its disk %s is gone; removing the sandbox\n%s",
                 sandbox_id,
                 why,
@@ -160,6 +173,20 @@ class VmmLiveness:
             else:
                 await self.machines.discard(rec)
         return True
+
+    def _bus_error_cause(self, rec: SandboxRecord) -> tuple[str, bool]:
+        """Why a VMM died of SIGBUS, and whether it was the data filesystem being full.
+        A guest's RAM is a file on that filesystem (a reflink of its template's, so
+        pages the guest writes need new blocks); a write fault the filesystem cannot
+        back (ENOSPC), or a read it cannot serve, is a SIGBUS in the VMM."""
+        disk = self.free_space.reading()
+        if disk.too_full_for(rec.memory_mib << 20):
+            return (
+                f"the data filesystem is full ({disk.describe()}): the guest wrote to "
+                "its RAM file and no block was left to back the write",
+                True,
+            )
+        return f"a page of its RAM file could not be backed ({disk.describe()})", False
 
     async def guard(self, sandbox_id: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run ``work``, an operation using the sandbox's VM, under the lock the caller

@@ -47,7 +47,9 @@ from agentenv.orchestrator.errors import (
     GuestUnavailable,
     InvalidRequest,
     OperationFailed,
+    OutOfSpace,
     SandboxNotFound,
+    SandboxStartFailed,
 )
 from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
@@ -84,6 +86,7 @@ AUTO_PAUSE_RETRY_S = 60
 RAM_FLUSH_INTERVAL_S = 5.0
 HANDOFF_CHECK_INTERVAL_S = 5.0
 REAP_INTERVAL_S = 0.5
+FREE_SPACE_CHECK_INTERVAL_S = 5.0
 
 __all__ = ["NodeStatus", "Orchestrator", "SandboxView", "SnapshotView", "resolve_subnet"]
 
@@ -178,7 +181,9 @@ class Orchestrator:
             self.http,
             boot_timeout=config.template_boot_timeout,
         )
-        self._liveness = VmmLiveness(self.store, self._machines, self._operations, self._lifecycle)
+        self._liveness = VmmLiveness(
+            self.store, self._machines, self._operations, self._lifecycle, self._free_space
+        )
         self._recovery = Recovery(
             config.sandboxes_dir,
             config.snapshots_dir,
@@ -254,6 +259,7 @@ class Orchestrator:
                 self.catalog.collect_garbage_if_due,
             )
         self._supervisor.every("metrics", SAMPLE_INTERVAL_S, self._sample_metrics)
+        self._supervisor.every("free-space", FREE_SPACE_CHECK_INTERVAL_S, self._free_space.watch)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
         self._started = True
@@ -325,6 +331,8 @@ class Orchestrator:
                 if self.templates.building()
                 else ("failed" if self.templates.last_error else "pending")
             )
+        disk = self._free_space.reading()
+        problems = [self.templates.last_error, disk.problem(), self._sync.stopped_commits()]
         return NodeStatus(
             node=self.catalog.node,
             vmm=self.driver.name,
@@ -339,7 +347,8 @@ class Orchestrator:
             repository=self.catalog.url,
             sandboxes=sum(n for state, n in counts.items() if state in VISIBLE_STATES),
             templates=templates,
-            problem=self.templates.last_error,
+            disk=disk,
+            problem="; ".join(p for p in problems if p) or None,
         )
 
     async def get_settled(self, sandbox_id: str) -> SandboxView:
@@ -459,6 +468,7 @@ class Orchestrator:
     ) -> SandboxView:
         """A sandbox restored from a machine snapshot that is not a template (a guest
         booted from an OCI image, which template builds start from)."""
+        self._free_space.check("create")
         identity = Identity(
             metadata=metadata,
             env_vars={},
@@ -475,14 +485,25 @@ class Orchestrator:
         self, source: Source, identity: Identity, timeout: int, *, private_memory: bool
     ) -> SandboxView:
         sandbox_id = new_sandbox_id()
-        return await self._operations.run(
-            sandbox_id,
-            "create",
-            lambda: self._lifecycle.create(
-                sandbox_id, source, identity, timeout, private_memory=private_memory
-            ),
-            join=False,
-        )
+        try:
+            return await self._operations.run(
+                sandbox_id,
+                "create",
+                lambda: self._lifecycle.create(
+                    sandbox_id, source, identity, timeout, private_memory=private_memory
+                ),
+                join=False,
+            )
+        except SandboxStartFailed as exc:
+            # On a disk too full for the guest's RAM file the failure shows as whatever
+            # broke first (a VMM killed by SIGBUS mid-restore, envd's /init unanswered):
+            # the caller is told it was the disk (507), not an internal error.
+            disk = self._free_space.reading()
+            if disk.too_full_for(source.snapshot.memory_mib << 20):
+                raise OutOfSpace(
+                    "starting a sandbox", f"the data filesystem has {disk.describe()} ({exc})"
+                ) from exc
+            raise
 
     # -- pause and resume ------------------------------------------------------------------
     async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxView:
@@ -512,6 +533,11 @@ class Orchestrator:
         chosen = self.timeouts.pick(timeout)
         # A VMM exit already noticed is settled first: that sandbox is paused, and resumed.
         await self._liveness.settled(sandbox_id)
+        rec = self.store.get_sandbox(sandbox_id)
+        if rec is not None and rec.state == SandboxState.PAUSED:
+            # Only a paused one: a running sandbox answers as it would (409, or a connect's
+            # 200), whatever the disk.
+            self._free_space.check("resume")
         return await self._operations.run(
             sandbox_id, "resume", lambda: self._lifecycle.resume(sandbox_id, chosen), join=True
         )
@@ -521,6 +547,7 @@ class Orchestrator:
         repository. Raises :class:`SandboxNotFound` if the repository has no such paused
         sandbox and :class:`Conflict` if another node resumed it first."""
         self.timeouts.pick(timeout)
+        self._free_space.check("resume")
         await self._operations.run(
             sandbox_id, "adopt", lambda: self._sync.adopt(sandbox_id), join=True
         )

@@ -11,12 +11,14 @@ far they got (:mod:`.layout`). Records crossing the repository are the typed one
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from agentenv.network.policy import EgressPolicy
 from agentenv.orchestrator.catalog import Catalog
@@ -24,6 +26,7 @@ from agentenv.orchestrator.errors import (
     Conflict,
     NodeCacheFull,
     OperationFailed,
+    OutOfSpace,
     RepositoryUnavailable,
     SandboxNotFound,
     SnapshotNotFound,
@@ -84,6 +87,10 @@ class RepositorySync:
         self.operations = operations
         self.supervisor = supervisor
         self.publishes_paused_state = publishes_paused_state
+        # Commits and uploads given up for want of space, by snapshot or sandbox id: which
+        # job and why. Their files stay on this node (usable here); they are tried again
+        # after the next commit or upload that succeeds, and at the next start.
+        self._stopped: dict[str, _Stopped] = {}
 
     def resume_unfinished(self) -> None:
         """Commits and uploads a previous run left unfinished start again."""
@@ -97,6 +104,39 @@ class RepositorySync:
                 if upload is not None and not upload.committed:
                     self.start_upload(sandbox.sandbox_id)
 
+    def stopped_commits(self) -> str | None:
+        """What was not committed for want of space (for ``/health``), if anything."""
+        if not self._stopped:
+            return None
+        ids = sorted(self._stopped)
+        shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        return (
+            f"{len(ids)} commit(s) to the repository stopped for want of space ({shown}), "
+            "kept on this node and tried again once a commit succeeds or at the next start; "
+            f"last: {self._stopped[ids[-1]].reason}"
+        )
+
+    def _stop_for_space(self, job: str, key: str, reason: str) -> None:
+        """Give up a commit or upload that found no space: retrying every few seconds
+        would only fill the log (and whatever space is freed) until someone makes room."""
+        self._stopped[key] = _Stopped(job, reason)
+        log.error(
+            "%s %s stopped for want of space: %s; it stays on this node only and is tried "
+            "again once a commit succeeds, or at the server's next start",
+            "committing" if job == _COMMIT else "uploading paused",
+            key,
+            reason,
+        )
+
+    def _retry_stopped(self) -> None:
+        """A commit or upload went through, so the repository may have room again: those
+        stopped for want of space try once more (each stops again at its first ENOSPC)."""
+        for key, stopped in list(self._stopped.items()):
+            if stopped.job == _COMMIT:
+                self.start_commit(key)
+            else:
+                self.start_upload(key)
+
     # -- snapshots and templates -------------------------------------------------------
     def start_commit(self, snapshot_id: str) -> None:
         self.supervisor.start_job(
@@ -105,10 +145,16 @@ class RepositorySync:
 
     async def _commit_until_done(self, snapshot_id: str) -> None:
         """Commit a local snapshot, retrying while the repository is unreachable: it
-        stays usable on this node meanwhile, and nothing is lost."""
+        stays usable on this node meanwhile, and nothing is lost. Not while there is no
+        space for it: that stops (and is reported) until a commit succeeds."""
+        self._stopped.pop(snapshot_id, None)
         while True:
             try:
                 await self.commit(snapshot_id)
+                self._retry_stopped()
+                return
+            except OutOfSpace as exc:
+                self._stop_for_space(_COMMIT, snapshot_id, str(exc))
                 return
             except Conflict as exc:
                 # Another node committed one under the same name meanwhile: this one
@@ -116,6 +162,9 @@ class RepositorySync:
                 log.error("%s loses its name: %s", snapshot_id, exc)
                 self.store.update_snapshot(snapshot_id, name=None)
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
+                if _no_space(exc):
+                    self._stop_for_space(_COMMIT, snapshot_id, str(exc))
+                    return
                 log.warning(
                     "committing %s failed (%s); retrying in %.0fs", snapshot_id, exc, COMMIT_RETRY_S
                 )
@@ -204,6 +253,7 @@ class RepositorySync:
             local = None
         if local is not None:
             await self.supervisor.cancel_job(_COMMIT, local.snapshot_id)
+            self._stopped.pop(local.snapshot_id, None)
         entry = await self.catalog.lookup(key)
         if entry is not None and entry.type != type_:
             entry = None
@@ -232,6 +282,7 @@ class RepositorySync:
 
     async def stop_upload(self, sandbox_id: str) -> None:
         await self.supervisor.cancel_job(_UPLOAD, sandbox_id)
+        self._stopped.pop(sandbox_id, None)
 
     def pause_committed(self, rec: SandboxRecord) -> bool:
         upload = SandboxDir(rec.workdir).upload_state()
@@ -239,12 +290,21 @@ class RepositorySync:
 
     async def _upload_until_done(self, sandbox_id: str) -> None:
         """Commit a paused sandbox to the repository, retrying while it is unreachable:
-        it stays paused (and resumable) on this node meanwhile."""
+        it stays paused (and resumable) on this node meanwhile. Not while there is no
+        space for it: that stops (and is reported) until a commit succeeds."""
+        self._stopped.pop(sandbox_id, None)
         while True:
             try:
                 await self._upload(sandbox_id)
+                self._retry_stopped()
+                return
+            except OutOfSpace as exc:
+                self._stop_for_space(_UPLOAD, sandbox_id, str(exc))
                 return
             except (RepositoryUnavailable, NodeCacheFull, OSError, SnapshotError) as exc:
+                if _no_space(exc):
+                    self._stop_for_space(_UPLOAD, sandbox_id, str(exc))
+                    return
                 log.warning(
                     "uploading paused %s failed (%s); retrying in %.0fs",
                     sandbox_id,
@@ -485,3 +545,13 @@ class RepositorySync:
                 self.leases.forget(current)
                 await self.machines.discard(current)
             log.info("sandbox %s was resumed on node %s; dropped here", rec.sandbox_id, holder)
+
+
+class _Stopped(NamedTuple):
+    job: str  # _COMMIT or _UPLOAD
+    reason: str
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether a local file operation failed for want of space."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.orchestrator.diskspace import DiskSpace
 from agentenv.orchestrator.records import SnapshotEntry
 from agentenv.orchestrator.states import PUBLIC_STATE
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord
@@ -83,5 +84,8 @@ class NodeStatus:
     sandboxes: int
     # Built templates: "ready"; the built-in base also "building", "pending" or "failed".
     templates: dict[str, str]
-    # Why the node is degraded (the base template failed to build), if it is.
+    # The data directory's filesystem and its free-space floor.
+    disk: DiskSpace
+    # Why the node is degraded (the base template failed to build, the disk is below its
+    # floor, commits stopped for want of space), if it is.
     problem: str | None

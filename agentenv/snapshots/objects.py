@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -49,6 +50,12 @@ class RepositoryError(Exception):
 
 class ObjectNotFound(RepositoryError):
     """The object does not exist."""
+
+
+class RepositoryFull(RepositoryError):
+    """The object store has no space for the write (ENOSPC or EDQUOT of a directory, an
+    S3-compatible server saying its storage is full): retrying will not help until
+    someone makes room."""
 
 
 def check_key(key: str) -> None:
@@ -145,6 +152,8 @@ class PosixObjectStore(ObjectStore):
     def _error(self, what: str, key: str, exc: OSError) -> RepositoryError:
         if isinstance(exc, FileNotFoundError):
             return ObjectNotFound(f"{self.url}: {what} {key}: not found")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return RepositoryFull(f"{self.url}: {what} {key}: {exc}")
         return RepositoryError(f"{self.url}: {what} {key}: {exc}")
 
     def _write_tmp(self, final: Path, write: Callable[[int], None]) -> Path:
@@ -335,6 +344,9 @@ _S3_CONFIG = botocore.config.Config(
     response_checksum_validation="when_required",
 )
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+# What S3-compatible servers answer when their disks are full (MinIO, and the generic
+# code of 507 Insufficient Storage).
+_STORAGE_FULL = frozenset({"XMinioStorageFull", "InsufficientStorage"})
 _S3_THREADS = _S3_POOL
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -396,6 +408,9 @@ class S3ObjectStore(ObjectStore):
             message = f"{self.url}: {what}: {code} {err.get('Message', '')}".rstrip()
             if code in _NOT_FOUND:
                 return ObjectNotFound(message)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _STORAGE_FULL or status == 507:
+                return RepositoryFull(message)
             return RepositoryError(message)
         return RepositoryError(f"{self.url}: {what}: {exc}")
 
