@@ -300,15 +300,14 @@ async def test_next_token_of_the_server_pages_on(api: httpx.AsyncClient) -> None
     first = (await _create(api))["sandboxID"]
     second = (await _create(api))["sandboxID"]
     page = await api.get("/v2/sandboxes", params={"limit": 1})
-    assert [s["sandboxID"] for s in page.json()] == [first]
+    assert [s["sandboxID"] for s in page.json()] == [second]  # newest first, as E2B
     token = page.headers["X-Next-Token"]
     rest = await api.get("/v2/sandboxes", params={"limit": 1, "nextToken": token})
-    assert [s["sandboxID"] for s in rest.json()] == [second]
+    assert [s["sandboxID"] for s in rest.json()] == [first]
     assert "X-Next-Token" not in rest.headers
-    # Pasted into a URL unencoded, its "+" arrives as a space: still the same token.
-    assert "+" in token
+    # URL-safe as it is: pasted into a URL unencoded, it is the same token.
     pasted = await api.get(f"/v2/sandboxes?limit=1&nextToken={token}")
-    assert [s["sandboxID"] for s in pasted.json()] == [second]
+    assert [s["sandboxID"] for s in pasted.json()] == [first]
 
 
 # -- template names --------------------------------------------------------------------------

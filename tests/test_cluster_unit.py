@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.bindings import MemoryBindings, RedisBindings
 from agentenv.cluster.gateway import Gateway
 from agentenv.cluster.listing import merge_pages, sandbox_key
@@ -218,7 +219,8 @@ def detail(sandbox_id: str, second: int) -> dict[str, Any]:
     return {"sandboxID": sandbox_id, "startedAt": f"2026-12-04T10:00:{second:02d}.5Z"}
 
 
-def test_merged_pages_walk_every_node_once_in_order() -> None:
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_merged_pages_walk_every_node_once_in_order(order: Order) -> None:
     node_a = [detail("ia", s) for s in (1, 3, 5, 7)]
     node_b = [detail("ib", s) for s in (2, 4, 6)]
     seen: list[str] = []
@@ -227,15 +229,22 @@ def test_merged_pages_walk_every_node_once_in_order() -> None:
         pages = []
         more = False
         for items in (node_a, node_b):  # what each node would answer for (token, limit 2)
-            after = [i for i in items if token is None or sandbox_key(i) > token]
-            pages.append(after[:2])
-            more = more or len(after) > 2
-        page, token = merge_pages(pages, 2, more)
+            ordered = sorted(items, key=sandbox_key, reverse=order == "desc")
+            if token is not None:
+                after = decode_token(token, order)
+                ordered = [
+                    i
+                    for i in ordered
+                    if (sandbox_key(i) < after if order == "desc" else sandbox_key(i) > after)
+                ]
+            pages.append(ordered[:2])
+            more = more or len(ordered) > 2
+        page, token = merge_pages(pages, order, 2, more)
         seen += [f"{i['sandboxID']}{i['startedAt'][17:19]}" for i in page]
         if token is None:
             break
-    assert seen == ["ia01", "ib02", "ia03", "ib04", "ia05", "ib06", "ia07"]
-    assert sandbox_key(detail("x", 1)) == "2026-12-04T10:00:01.500000+00:00|x"
+    walk = ["ia01", "ib02", "ia03", "ib04", "ia05", "ib06", "ia07"]
+    assert seen == (walk if order == "asc" else walk[::-1])
 
 
 # -- the gateway against fake nodes ----------------------------------------------------------

@@ -11,7 +11,6 @@ import logging
 import re
 import secrets
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -28,6 +27,7 @@ from agentenv.api.errors import (
     install_error_handlers,
 )
 from agentenv.api.links import add_links
+from agentenv.api.listing import listing_routes
 from agentenv.api.models import (
     ConnectRequest,
     ErrorBody,
@@ -50,17 +50,12 @@ from agentenv.api.models import (
     TimeoutRequest,
 )
 from agentenv.api.network import create_options, network_info, updated_egress
-from agentenv.api.paging import page, sandbox_key, snapshot_key
-from agentenv.api.params import NextToken, SandboxId, TemplateRef
+from agentenv.api.params import SandboxId, TemplateRef
 from agentenv.api.templates import UPLOAD_PATH, template_routes
 from agentenv.cluster.heartbeat import Heartbeat
 from agentenv.limits import (
-    ID_PATTERN,
-    MAX_ID_LENGTH,
-    MAX_METADATA_BYTES,
     MAX_PAGE_SIZE,
     MAX_REQUEST_BODY_BYTES,
-    MAX_SNAPSHOT_NAME_LENGTH,
 )
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
@@ -203,6 +198,8 @@ def create_app(
             createdAt=rec.created_at,
         )
 
+    app.include_router(listing_routes(orchestrator, authed, detail_body, snapshot_body))
+
     # -- routes --------------------------------------------------------------------------
     @app.get("/health", response_model=Health, tags=["node"])
     async def health() -> Health:
@@ -286,57 +283,6 @@ def create_app(
     ) -> Sandbox:
         # V2 has no `secure` field: its sandboxes are always secured with a token.
         return await _create(body, True, idempotency_key)
-
-    @app.get(
-        "/sandboxes",
-        response_model=list[SandboxDetail],
-        response_model_by_alias=True,
-        # Optional fields are left out rather than null: the SDK parses a present
-        # `pauseMode` (and others) as a value.
-        response_model_exclude_none=True,
-        dependencies=authed,
-        tags=["sandboxes"],
-    )
-    async def list_sandboxes_v1() -> list[SandboxDetail]:
-        return [detail_body(v) for v in orchestrator.list_sandboxes()]
-
-    @app.get(
-        "/v2/sandboxes",
-        response_model=list[SandboxDetail],
-        response_model_by_alias=True,
-        # Optional fields are left out rather than null: the SDK parses a present
-        # `pauseMode` (and others) as a value.
-        response_model_exclude_none=True,
-        dependencies=authed,
-        tags=["sandboxes"],
-    )
-    async def list_sandboxes_v2(
-        response: Response,
-        metadata: Annotated[str | None, Query(max_length=3 * MAX_METADATA_BYTES)] = None,
-        state: Annotated[str | None, Query(max_length=64)] = None,
-        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
-        next_token: NextToken = None,
-    ) -> list[SandboxDetail]:
-        views = orchestrator.list_sandboxes()
-        if state:
-            wanted = {s.strip() for s in state.split(",") if s.strip()}
-            unknown = wanted - {"running", "paused"}
-            if unknown:
-                raise ApiError(400, f"state: unknown value(s) {', '.join(sorted(unknown))}")
-            views = [v for v in views if v.state in wanted]
-        if metadata:
-            # The SDK quotes keys and values, then encodes the whole string once more.
-            wanted_meta = {
-                urllib.parse.unquote(k): urllib.parse.unquote(v)
-                for k, v in urllib.parse.parse_qsl(metadata, keep_blank_values=True)
-            }
-            views = [
-                v
-                for v in views
-                if all(v.record.metadata.get(k) == val for k, val in wanted_meta.items())
-            ]
-        views.sort(key=lambda v: (v.record.started_at, v.sandbox_id))
-        return [detail_body(v) for v in page(views, sandbox_key, next_token, limit, response)]
 
     @app.get(
         # Before /sandboxes/{sandbox_id}, which would take "metrics" for an id.
@@ -519,27 +465,6 @@ def create_app(
             raise ApiError(400, "memory: filesystem-only snapshots are not supported")
         name = body.name if body else None
         return snapshot_body(await orchestrator.snapshot(sandbox_id, name))
-
-    @app.get(
-        "/snapshots",
-        response_model=list[SnapshotInfo],
-        response_model_by_alias=True,
-        dependencies=authed,
-        tags=["snapshots"],
-    )
-    async def list_snapshots(
-        response: Response,
-        sandbox_id: Annotated[
-            str | None, Query(alias="sandboxID", max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
-        ] = None,
-        name: Annotated[str | None, Query(max_length=MAX_SNAPSHOT_NAME_LENGTH)] = None,
-        limit: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
-        next_token: NextToken = None,
-    ) -> list[SnapshotInfo]:
-        views = await orchestrator.list_snapshots(sandbox_id)
-        if name:
-            views = [v for v in views if name in v.names]
-        return [snapshot_body(v) for v in page(views, snapshot_key, next_token, limit, response)]
 
     @app.get(
         "/snapshots/{snapshot_id:path}",

@@ -45,8 +45,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
+from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
 from agentenv.cluster.answers import field_of, fork_children, read_bounded
-from agentenv.cluster.listing import NEXT_TOKEN_HEADER, merge_pages
+from agentenv.cluster.listing import NEXT_TOKEN_HEADER, merge_pages, sandbox_key
 from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
 from agentenv.cluster.scheduler_client import (
     SchedulerClient,
@@ -406,11 +407,17 @@ class Gateway:
         pages = [answer.json() for answer in answers]
         headers_out = missing if missing[_MISSING_NODES_HEADER] else {}
         if request.url.path == "/sandboxes":
-            return JSONResponse([item for page in pages for item in page], headers=headers_out)
+            listed = [item for page in pages for item in page]
+            listed.sort(key=sandbox_key, reverse=True)
+            return JSONResponse(listed, headers=headers_out)
+        # The nodes answered, so the query is valid: the same defaults as theirs.
         limit_text = request.query_params.get("limit")
-        limit = int(limit_text) if limit_text and limit_text.isdigit() else None
+        limit = DEFAULT_SANDBOX_PAGE_SIZE
+        if limit_text and limit_text.isdigit():
+            limit = int(limit_text)
+        order: Order = "asc" if request.query_params.get("order") == "asc" else DEFAULT_ORDER
         more = any(NEXT_TOKEN_HEADER in answer.headers for answer in answers)
-        items, token = merge_pages(pages, limit, more)
+        items, token = merge_pages(pages, order, limit, more)
         if token:
             headers_out["X-Next-Token"] = token
         return JSONResponse(items, headers=headers_out)
