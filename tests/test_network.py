@@ -779,3 +779,75 @@ async def test_host_names_are_decided_on_sni_and_host(
         answer = await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("evil.example"))
         assert answer is not None and answer.startswith(OTHER_PUBLIC)
     await manager.destroy(45)
+
+
+# -- a host without a default route ----------------------------------------------------------
+def _connect_errno(ns: str | None, address: str, port: int) -> int | None:
+    """The errno a TCP connect from ``ns`` (None: the calling thread's) ends with; None
+    if it connects, -1 if it times out."""
+    if ns is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    else:
+        sock = netns.create_socket(ns, socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    try:
+        sock.connect((address, port))
+    except TimeoutError:
+        return -1
+    except OSError as exc:
+        return exc.errno
+    finally:
+        sock.close()
+    return None
+
+
+@needs_root
+def test_internet_access_without_a_default_route(caplog: pytest.LogCaptureFixture) -> None:
+    """The manager runs in a namespace standing for a host with no default route: a
+    network asking for the internet is made, the guest still reaches the host both ways,
+    its connections out fail at once as the host's own do, and the warning is said once."""
+    prefix = _new_prefix()
+    host_ns = f"{prefix}-noroute-guest"  # "-guest": removed with the test's leftovers
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        manager = NetworkManager(prefix, SUBNET, max_slots=8)
+        try:
+            await manager.reclaim(set())  # what a server does at start-up
+            nets = [
+                await manager.create(slot, policy=EgressPolicy(allow_internet=True))
+                for slot in (2, 3)
+            ]
+            guest = await asyncio.to_thread(_attach_fake_guest, nets[0])
+            await _assert_host_reaches_guest_tcp(nets[0], guest)
+            outcome["guest"] = await asyncio.to_thread(_connect_errno, guest, "203.0.113.7", 80)
+            outcome["host"] = await asyncio.to_thread(_connect_errno, None, "203.0.113.7", 80)
+        finally:
+            await asyncio.to_thread(_remove_test_leftovers, prefix)
+            await manager.reclaim(set())
+
+    def in_host_namespace() -> None:
+        try:
+            netns.setns(host_ns, flags=0)
+            with IPRoute() as ipr:
+                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+                assert not ipr.get_default_routes(family=socket.AF_INET)
+            asyncio.run(scenario())
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    netns.create(host_ns)
+    try:
+        with caplog.at_level("WARNING", logger="agentenv.network.manager"):
+            thread = threading.Thread(target=in_host_namespace)
+            thread.start()
+            thread.join(timeout=60)
+    finally:
+        with suppress(FileNotFoundError):  # the scenario's clean-up removed it already
+            netns.remove(host_ns)
+    if "error" in outcome:
+        raise outcome["error"]
+    assert outcome["host"] == errno.ENETUNREACH
+    assert outcome["guest"] == outcome["host"], outcome  # failing as the host's own
+    warnings = [r for r in caplog.records if "no IPv4 default route" in r.getMessage()]
+    assert len(warnings) == 1

@@ -145,6 +145,7 @@ class NetworkManager:
         # Slots with a masquerade chain in the host table; None until read from the kernel.
         self._internet_slots: set[int] | None = None
         self._host_table_lock = asyncio.Lock()
+        self._warned_no_default_route = False
         # Relays the connections of sandboxes whose policy has host-name rules.
         self.egress_filter = EgressFilter()
 
@@ -246,6 +247,7 @@ class NetworkManager:
         Meant for startup after a crash: `keep` holds the slots of sandboxes that are
         still alive. Returns the names of what was removed.
         """
+        self.warn_if_no_default_route(await asyncio.to_thread(_default_interface))
         found = await asyncio.to_thread(self._scan, True)
         removed: list[str] = []
         slots = {slot for _, slot in found if slot != _TABLE_SLOT}
@@ -446,30 +448,27 @@ class NetworkManager:
         async with self._host_table_lock:
             slots = await self._known_internet_slots()
             outbound = await asyncio.to_thread(_default_interface)
-            table = self._host_table
-            veths = f"{self.prefix}h*"
-            script = (
-                f"add table ip {table}\n"
-                # Sandboxes may only be forwarded out of the default interface: not into
-                # each other, and (input) not to services of the host itself.
-                f"add chain ip {table} input {{ type filter hook input priority filter; }}\n"
-                f"flush chain ip {table} input\n"
-                f'add rule ip {table} input iifname "{veths}" ct state new drop\n'
-                f"add chain ip {table} forward {{ type filter hook forward priority filter; }}\n"
-                f"flush chain ip {table} forward\n"
-                f'add rule ip {table} forward iifname "{veths}" oifname "{outbound}" accept\n'
-                f'add rule ip {table} forward iifname "{veths}" drop\n'
-                f'add rule ip {table} forward oifname "{veths}" ct state new drop\n'
-                f"add chain ip {table} slot{slot} "
-                "{ type nat hook postrouting priority srcnat; }\n"
-                f"flush chain ip {table} slot{slot}\n"
-                f"add rule ip {table} slot{slot} ip saddr {self._slot_block(slot)} "
-                f'oifname "{outbound}" masquerade\n'
+            if outbound is None:
+                self.warn_if_no_default_route(outbound)
+            script = internet_access_rules(
+                self._host_table, f"{self.prefix}h*", str(self._slot_block(slot)), slot, outbound
             )
             slots.add(slot)  # before running: a partial failure must still be cleaned up
             await _run_nft_async(script)
             await asyncio.to_thread(_write_host_sysctl, "net/ipv4/ip_forward", "1")
             log.debug("slot %d (%s) may reach the internet via %s", slot, net.netns, outbound)
+
+    def warn_if_no_default_route(self, outbound: str | None) -> None:
+        """Say once per manager (at start-up, from :meth:`reclaim`) that sandboxes asking
+        for internet access will not get it: one missing route should not stop every
+        create, nor fill the log with one warning per create."""
+        if outbound is None and not self._warned_no_default_route:
+            self._warned_no_default_route = True
+            log.warning(
+                "the host has no IPv4 default route: sandboxes asking for internet access "
+                "start, but their egress fails as the host's does (network unreachable); "
+                "sandboxes started after a route is added get it"
+            )
 
     async def _remove_internet_access(self, slot: int) -> None:
         async with self._host_table_lock:
@@ -626,14 +625,51 @@ def _host_networks(host: IPRoute) -> list[ipaddress.IPv4Network]:
     ]
 
 
-def _default_interface() -> str:
+def _default_interface() -> str | None:
+    """The interface of the host's IPv4 default route; None when it has none."""
     with IPRoute() as host:
         for route in host.get_default_routes(family=2):
             index = route.get_attr("RTA_OIF")
             if index is not None:
                 links = host.link("get", index=index)
                 return str(links[0].get_attr("IFLA_IFNAME"))
-    raise NetworkError("allow_internet needs a default route on the host, and there is none")
+    return None
+
+
+def internet_access_rules(
+    table: str, veths: str, slot_block: str, slot: int, outbound: str | None
+) -> str:
+    """The nft script letting slot ``slot`` out through ``outbound``, the host's default
+    interface. Without one (``None``) nothing is forwarded or masqueraded, but the slot's
+    chain is still made (it is what marks the slot as having asked): the guest's packets
+    then meet the host's own routing, which has nowhere to send them, so its egress fails
+    as the host's would (the host answers "network unreachable") while everything else
+    about the sandbox works."""
+    forward_out = (
+        f'add rule ip {table} forward iifname "{veths}" oifname "{outbound}" accept\n'
+        if outbound
+        else ""
+    )
+    masquerade = (
+        f'add rule ip {table} slot{slot} ip saddr {slot_block} oifname "{outbound}" masquerade\n'
+        if outbound
+        else ""
+    )
+    return (
+        f"add table ip {table}\n"
+        # Sandboxes may only be forwarded out of the default interface: not into
+        # each other, and (input) not to services of the host itself.
+        f"add chain ip {table} input {{ type filter hook input priority filter; }}\n"
+        f"flush chain ip {table} input\n"
+        f'add rule ip {table} input iifname "{veths}" ct state new drop\n'
+        f"add chain ip {table} forward {{ type filter hook forward priority filter; }}\n"
+        f"flush chain ip {table} forward\n"
+        + forward_out
+        + f'add rule ip {table} forward iifname "{veths}" drop\n'
+        f'add rule ip {table} forward oifname "{veths}" ct state new drop\n'
+        f"add chain ip {table} slot{slot} {{ type nat hook postrouting priority srcnat; }}\n"
+        f"flush chain ip {table} slot{slot}\n" + masquerade
+    )
 
 
 def _write_sysctl(key: str, value: str) -> None:
