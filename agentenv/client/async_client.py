@@ -181,8 +181,9 @@ class AsyncAgentEnv:
         metadata: Mapping[str, str] | None = None,
         limit: int | None = None,
         next_token: str | None = None,
+        order: str | None = None,
     ) -> SandboxPage:
-        query = wire.sandbox_query(state, metadata, limit, next_token)
+        query = wire.sandbox_query(state, metadata, limit, next_token, order)
         return wire.sandbox_page(await self._request("GET", "/v2/sandboxes", params=query))
 
     def iter_sandboxes(
@@ -194,7 +195,7 @@ class AsyncAgentEnv:
     ) -> AsyncIterator[SandboxDetail]:
         return wire.walk_pages_async(
             lambda token: self.list_sandboxes_page(
-                state=state, metadata=metadata, limit=page_size, next_token=token
+                state=state, metadata=metadata, limit=page_size, next_token=token, order="asc"
             )
         )
 

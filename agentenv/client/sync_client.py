@@ -202,10 +202,12 @@ class AgentEnv:
         metadata: Mapping[str, str] | None = None,
         limit: int | None = None,
         next_token: str | None = None,
+        order: str | None = None,
     ) -> SandboxPage:
         """One page of sandboxes, optionally only those in ``state`` (``running`` or
-        ``paused``) whose metadata hold every pair of ``metadata``."""
-        query = wire.sandbox_query(state, metadata, limit, next_token)
+        ``paused``) whose metadata hold every pair of ``metadata``, in ``order`` (``asc``
+        or ``desc`` by start time; the server's default is ``desc``, as E2B's)."""
+        query = wire.sandbox_query(state, metadata, limit, next_token, order)
         return wire.sandbox_page(self._request("GET", "/v2/sandboxes", params=query))
 
     def iter_sandboxes(
@@ -215,10 +217,10 @@ class AgentEnv:
         metadata: Mapping[str, str] | None = None,
         page_size: int = MAX_PAGE_SIZE,
     ) -> Iterator[SandboxDetail]:
-        """Every matching sandbox, fetching pages of ``page_size`` as it goes."""
+        """Every matching sandbox, oldest first, fetching pages of ``page_size`` as it goes."""
         return wire.walk_pages(
             lambda token: self.list_sandboxes_page(
-                state=state, metadata=metadata, limit=page_size, next_token=token
+                state=state, metadata=metadata, limit=page_size, next_token=token, order="asc"
             )
         )
 

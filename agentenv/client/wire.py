@@ -171,8 +171,11 @@ def sandbox_query(
     metadata: Mapping[str, str] | None,
     limit: int | None,
     next_token: str | None,
+    order: str | None = None,
 ) -> dict[str, str | int]:
     query: dict[str, str | int] = {}
+    if order is not None:
+        query["order"] = order
     if state is not None:
         query["state"] = state
     if metadata:
