@@ -51,6 +51,7 @@ from agentenv.limits import (
     MAX_PAGE_SIZE,
     MAX_SNAPSHOT_NAME_LENGTH,
     MAX_TEMPLATE_REF_LENGTH,
+    TEMPLATE_REF_PATTERN,
 )
 from agentenv.orchestrator.errors import SnapshotNotFound
 from agentenv.orchestrator.orchestrator import Orchestrator
@@ -92,6 +93,7 @@ TemplateParam = Annotated[
     Query(
         min_length=1,
         max_length=MAX_TEMPLATE_REF_LENGTH,
+        pattern=TEMPLATE_REF_PATTERN,
         description="only sandboxes started from this template (or snapshot), by id or "
         "name; a name that matches nothing lists nothing",
     ),
