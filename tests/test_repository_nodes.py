@@ -188,6 +188,39 @@ def test_s3_down_pause_stays_local_and_is_uploaded_later(
         assert sh(node, sandbox_id, "cat /home/user/kept.txt") == "kept"
 
 
+def test_repository_down_mid_commit_commits_once_it_is_back(
+    s3: S3Server, test_root: Path, guest_image: None
+) -> None:
+    """The S3 server stops while a snapshot is being uploaded: the node keeps the
+    snapshot (it starts sandboxes locally), retries, and commits it in full once the
+    repository is back, after which another node starts sandboxes from it."""
+    extra = {**s3.env, "AENV_REPOSITORY": s3.url("midcommit")}
+    a = ServerProcess(home=test_root / "midcommit-a", extra_env=extra)
+    b = ServerProcess(home=test_root / "midcommit-b", extra_env=extra)
+    with live_server(a), live_server(b):
+        sandbox_id = create_sandbox_id(a, timeout=600)
+        # New data, so the upload takes long enough to be cut.
+        sh(a, sandbox_id, "head -c 200M /dev/urandom > /home/user/big && echo mid > /home/user/m")
+        with a.client() as c:
+            r = c.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "mid-commit"})
+            assert r.status_code == 201, r.text
+            snapshot_id = r.json()["snapshotID"]
+        wait_for(lambda: f"committing snapshot {snapshot_id}" in a.log_tail(200), 60, "the commit")
+        s3.stop()
+        try:
+            assert f"{snapshot_id} committed" not in a.log_tail(400)
+            # The node that took it still starts sandboxes from it meanwhile.
+            local = create_sandbox_id(a, "mid-commit", timeout=600)
+            assert sh(a, local, "cat /home/user/m") == "mid"
+            time.sleep(3)
+        finally:
+            s3.start()
+        wait_for(lambda: snapshot_visible(b, "mid-commit"), 300, "the commit after the outage")
+        elsewhere = create_sandbox_id(b, "mid-commit", timeout=600)
+        assert sh(b, elsewhere, "cat /home/user/m") == "mid"
+        assert sh(b, elsewhere, "stat -c %s /home/user/big") == str(200 * 1024 * 1024)
+
+
 def test_server_killed_mid_commit_leaves_the_previous_state(
     s3: S3Server, test_root: Path, guest_image: None
 ) -> None:
