@@ -467,7 +467,7 @@ def create_app(
         return snapshot_body(await orchestrator.snapshot(sandbox_id, name))
 
     @app.get(
-        "/snapshots/{snapshot_id:path}",
+        "/snapshots/{snapshot_id:ref}",
         response_model=SnapshotInfo,
         response_model_by_alias=True,
         dependencies=authed,
@@ -477,14 +477,14 @@ def create_app(
         return snapshot_body(await orchestrator.get_snapshot(snapshot_id))
 
     @app.delete(
-        "/snapshots/{snapshot_id:path}", status_code=204, dependencies=authed, tags=["snapshots"]
+        "/snapshots/{snapshot_id:ref}", status_code=204, dependencies=authed, tags=["snapshots"]
     )
     async def delete_snapshot(snapshot_id: TemplateRef) -> Response:
         await orchestrator.delete_snapshot(snapshot_id)
         return Response(status_code=204)
 
     @app.delete(
-        "/templates/{template_id:path}", status_code=204, dependencies=authed, tags=["templates"]
+        "/templates/{template_id:ref}", status_code=204, dependencies=authed, tags=["templates"]
     )
     async def delete_template(template_id: TemplateRef) -> Response:
         """The SDK deletes snapshots through this route (they are templates to E2B)."""

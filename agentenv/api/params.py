@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Path, Query
+from starlette.convertors import Convertor, register_url_convertor
 
 from agentenv.limits import (
     ID_PATTERN,
@@ -15,6 +16,24 @@ from agentenv.limits import (
     MAX_TOKEN_LENGTH,
     TEMPLATE_REF_PATTERN,
 )
+
+
+class ReferenceConvertor(Convertor[str]):
+    """``{name:ref}``: a template or snapshot reference in a path, which may hold "/"
+    (names like ``team/app``), matched whatever else it holds so that the model, not the
+    router, refuses it. Starlette's ``path`` stops at a newline: a DELETE of a name with
+    one fell through to a GET-only route of the same path and answered 405."""
+
+    regex = "(?s:.+)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("ref", ReferenceConvertor())
 
 SandboxId = Annotated[
     str,
