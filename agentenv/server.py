@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from agentenv import __version__
 from agentenv.api.app import create_app
+from agentenv.api.errors import JsonErrorsH11Protocol
 from agentenv.config import Config, ConfigError
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.snapshots.objects import RepositoryError, open_store
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         # Read request heads up to 1 MiB so the proxy middleware can refuse oversized
         # ones with a 431 body; h11 would otherwise reset the connection mid-upload.
         h11_max_incomplete_event_size=1024 * 1024,
+        http=JsonErrorsH11Protocol,
     )
 
 

@@ -82,3 +82,7 @@ def test_bad_inputs_are_refused_over_http_before_any_vm(server: ServerProcess) -
     )
     assert status == 413 and answer["code"] == 413
     assert sorted(vmm_pids(marker)) == vmms, "a refused request started a VMM"
+    # A request uvicorn cannot parse (a control character in its target) is refused
+    # before the app, with the same JSON error.
+    status, answer = _raw(server, b"GET /v2/sandboxes?x=\x01y HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 400 and answer["code"] == 400, answer
