@@ -1,6 +1,8 @@
-"""Schemathesis against a live server's OpenAPI document (issue #12): its coverage and
-fuzzing phases, bounded to a few minutes, must find no server error, no status code the
-document does not list, and no response outside its schema.
+"""Schemathesis against a live server's OpenAPI document (issue #12): its examples,
+coverage, fuzzing and stateful phases (the last follows the document's links from a
+create to the routes of the sandbox it made), bounded to a few minutes, must find no
+server error, no status code the document does not list, and no response outside its
+schema.
 
 Schemathesis runs from its own virtualenv, built once (PyPI only) and cached under
 ``/var/cache/agentenv/test-venvs`` like the old SDK's (tests/e2b/test_sdk_v1_paths.py),
@@ -72,7 +74,7 @@ def test_schemathesis_finds_no_server_error_or_undocumented_answer(
             "--header",
             f"X-API-Key: {fuzzed_server.api_key}",
             "--phases",
-            "examples,coverage,fuzzing",
+            "examples,coverage,fuzzing,stateful",
             "--max-examples",
             str(MAX_EXAMPLES),
             "--checks",
