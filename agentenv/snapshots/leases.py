@@ -117,8 +117,27 @@ class _Refresher:
             log.warning("%s: could not remove %s (it expires): %s", self.store.url, self.key, exc)
 
 
-class CommitLease:
-    """``async with CommitLease(store, holder):`` around a push. Waits, up to
+class _Held:
+    """What a commit lease and the collection lock share: a stamp in the store, kept
+    fresh while held and removed on leaving, and how long to wait for the other side."""
+
+    def __init__(
+        self, store: ObjectStore, key: str, holder: str, wait_s: float, poll_s: float, ttl_s: float
+    ) -> None:
+        self.store, self.holder, self.wait_s, self.poll_s = store, holder, wait_s, poll_s
+        self._stamp = _Refresher(store, key, holder, ttl_s)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.shield(self._stamp.stop())
+
+
+class CommitLease(_Held):
+    """``async with CommitLease(store, holder):`` around a commit. Waits, up to
     ``wait_s``, while a collection holds the repository; :class:`CollectionBusy` after
     that."""
 
@@ -131,9 +150,8 @@ class CommitLease:
         poll_s: float = 2.0,
         ttl_s: float = LEASE_TTL_S,
     ) -> None:
-        self.store, self.holder, self.wait_s, self.poll_s = store, holder, wait_s, poll_s
         key = f"{LEASES_PREFIX}{secrets.token_hex(8)}.json"
-        self._stamp = _Refresher(store, key, holder, ttl_s)
+        super().__init__(store, key, holder, wait_s, poll_s, ttl_s)
 
     async def __aenter__(self) -> CommitLease:
         deadline = time.monotonic() + self.wait_s
@@ -157,16 +175,8 @@ class CommitLease:
         self._stamp.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await asyncio.shield(self._stamp.stop())
 
-
-class CollectionLock:
+class CollectionLock(_Held):
     """``async with CollectionLock(store, holder):`` around a collection's deletions:
     taken only if no other live collection holds it (:class:`CollectionBusy`
     otherwise), then held until every live commit lease is gone (at most ``wait_s``).
@@ -181,8 +191,7 @@ class CollectionLock:
         poll_s: float = 2.0,
         ttl_s: float = LEASE_TTL_S,
     ) -> None:
-        self.store, self.holder, self.wait_s, self.poll_s = store, holder, wait_s, poll_s
-        self._stamp = _Refresher(store, LOCK_KEY, holder, ttl_s)
+        super().__init__(store, LOCK_KEY, holder, wait_s, poll_s, ttl_s)
 
     async def _take(self) -> None:
         for _ in range(2):
@@ -238,11 +247,3 @@ class CollectionLock:
             await asyncio.shield(self._stamp.stop())
             raise
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await asyncio.shield(self._stamp.stop())
