@@ -117,7 +117,8 @@ def test_snapshots_create_list_get_delete(client: AgentEnv, parent: e2b.Sandbox)
         page = client.list_snapshots(sandbox=parent, limit=1)
         assert len(page.items) == 1 and page.next_token is not None
         every = [s.snapshot_id for s in client.iter_snapshots(sandbox=parent, page_size=1)]
-        assert every == [named.snapshot_id, unnamed.snapshot_id]
+        # Newest first, as E2B lists snapshots.
+        assert every == [unnamed.snapshot_id, named.snapshot_id]
         assert [s.snapshot_id for s in client.list_snapshots(name=name).items] == [
             named.snapshot_id
         ]

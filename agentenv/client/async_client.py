@@ -250,6 +250,7 @@ class AsyncAgentEnv:
     def iter_snapshots(
         self, *, sandbox: SandboxRef | None = None, name: str | None = None, page_size: int = 100
     ) -> AsyncIterator[SnapshotInfo]:
+        """Every matching snapshot, newest first, fetching pages of ``page_size``."""
         return wire.walk_pages_async(
             lambda token: self.list_snapshots(
                 sandbox=sandbox, name=name, limit=page_size, next_token=token

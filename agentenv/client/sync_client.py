@@ -286,7 +286,7 @@ class AgentEnv:
     def iter_snapshots(
         self, *, sandbox: SandboxRef | None = None, name: str | None = None, page_size: int = 100
     ) -> Iterator[SnapshotInfo]:
-        """Every matching snapshot, fetching pages of ``page_size`` as it goes."""
+        """Every matching snapshot, newest first, fetching pages of ``page_size`` as it goes."""
         return wire.walk_pages(
             lambda token: self.list_snapshots(
                 sandbox=sandbox, name=name, limit=page_size, next_token=token
