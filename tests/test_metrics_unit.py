@@ -70,6 +70,25 @@ async def test_metrics_honour_the_window(node: Node) -> None:
         await orch.metrics(sandbox_id, None, None)
 
 
+async def test_without_periodic_sampling_each_request_samples(tmp_path: Path) -> None:
+    """metrics_interval 0 (idle guests are never woken for metrics): a request whose
+    window reaches now samples the guest, and the samples add up to a history."""
+    node = await start_node(
+        tmp_path / "a",
+        tmp_path / "repository",
+        in_memory_store=True,
+        configure=lambda c: c.with_overrides(metrics_interval=0),
+    )
+    try:
+        orch = node.orchestrator
+        sandbox_id = (await orch.create(FAKE_TEMPLATE)).sandbox_id
+        (first,) = await orch.metrics(sandbox_id, None, None)
+        first_again, second = await orch.metrics(sandbox_id, None, None)
+        assert first_again == first and second.at >= first.at
+    finally:
+        await node.stop()
+
+
 async def test_kill_and_pause_end_traffic(node: Node) -> None:
     orch = node.orchestrator
     ended: list[tuple[str, str]] = []

@@ -1,6 +1,7 @@
-"""Sandboxes' resource history: envd's figures, sampled every :data:`SAMPLE_INTERVAL_S`
-(E2B's interval) while a sandbox runs and kept for its life, so ``GET
-/sandboxes/{id}/metrics?start=&end=`` answers a time window as E2B's does.
+"""Sandboxes' resource history: envd's figures, sampled every ``Config.metrics_interval``
+seconds (by default :data:`SAMPLE_INTERVAL_S`, E2B's interval) while a sandbox runs and
+kept for its life, so ``GET /sandboxes/{id}/metrics?start=&end=`` answers a time window
+as E2B's does.
 
 Owns the samples (in memory: a restart of the server starts the history again). Asks
 the envd of the running sandboxes it is given; changes nothing else. A sample costs the

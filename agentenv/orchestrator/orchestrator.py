@@ -55,7 +55,7 @@ from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
 from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
 from agentenv.orchestrator.liveness import VmmLiveness
 from agentenv.orchestrator.machines import Machines
-from agentenv.orchestrator.metrics import SAMPLE_INTERVAL_S, GuestSample, MetricsHistory
+from agentenv.orchestrator.metrics import GuestSample, MetricsHistory
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
@@ -258,7 +258,8 @@ class Orchestrator:
                 self.config.repository_gc_interval,
                 self.catalog.collect_garbage_if_due,
             )
-        self._supervisor.every("metrics", SAMPLE_INTERVAL_S, self._sample_metrics)
+        if self.config.metrics_interval > 0:
+            self._supervisor.every("metrics", self.config.metrics_interval, self._sample_metrics)
         self._supervisor.every("free-space", FREE_SPACE_CHECK_INTERVAL_S, self._free_space.watch)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
@@ -374,20 +375,21 @@ class Orchestrator:
         self, sandbox_id: str, start: datetime | None, until: datetime | None
     ) -> list[GuestSample]:
         """The sandbox's samples taken in [start, until) (None: no bound). A running
-        sandbox not sampled yet, asked about a window that reaches now, is sampled at
-        once."""
+        sandbox asked about a window that reaches now is sampled at once if it has no
+        sample yet, or always when periodic sampling is off (``metrics_interval`` 0)."""
         view = await self.get_settled(sandbox_id)
         samples = self._metrics.between(sandbox_id, start, until)
         now = utcnow()
         reaches_now = (start is None or start <= now) and (until is None or until > now)
-        if samples or not reaches_now or view.state != "running":
+        wanted = not samples or self.config.metrics_interval == 0
+        if not wanted or not reaches_now or view.state != "running":
             return samples
         figures = await self.guest_metrics(sandbox_id)
         if figures is None:
-            return []
+            return samples
         sample = GuestSample(now, figures)
         self._metrics.record(sandbox_id, sample)
-        return [sample]
+        return [*samples, sample]
 
     def latest_metrics(self, sandbox_ids: set[str]) -> dict[str, tuple[GuestSample, int]]:
         """The latest sample, and vCPU count, of each visible sandbox named that has
