@@ -151,10 +151,6 @@ async def _store_object(store: ObjectStore, key: str, data: bytes) -> None:
         await store.put_bytes(key, data)
 
 
-async def _store_chunk(store: ObjectStore, h: str, data: bytes) -> None:
-    await _store_object(store, chunk_key(h), data)
-
-
 async def push_file(
     store: ObjectStore,
     path: Path,
@@ -183,7 +179,7 @@ async def push_file(
             nonlocal done
             try:
                 if known is None or h not in known:
-                    await _store_chunk(store, h, data)
+                    await _store_object(store, chunk_key(h), data)
                     if known is not None:
                         known.add(h)
             finally:
