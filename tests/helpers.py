@@ -8,6 +8,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -346,3 +347,31 @@ def run_command(
     assert "start" in events[0], f"first event must be start, got {events[0]}"
     assert exit_code is not None, "stream ended without an end event"
     return CommandResult(stdout.decode(), stderr.decode(), exit_code, status, events)
+
+
+#: Virtualenvs of tools tests run apart from the project's dependencies (PyPI only).
+TEST_VENVS = Path("/var/cache/agentenv/test-venvs")
+
+
+def cached_venv(name: str, requirement: str) -> Path:
+    """A virtualenv ``TEST_VENVS/name`` with ``requirement`` installed, built once. A
+    marker written last tells a finished install from an interrupted one, which is
+    thrown away and rebuilt."""
+    venv = TEST_VENVS / name
+    done = venv / ".installed"
+    if done.exists():
+        return venv
+    shutil.rmtree(venv, ignore_errors=True)
+    TEST_VENVS.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", requirement],
+            check=True,
+            timeout=600,
+        )
+    except BaseException:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise
+    done.write_text(requirement + "\n")
+    return venv

@@ -12,20 +12,17 @@ creates, forks and kills sandboxes, which the shared server's tests must not see
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, live_server
+from tests.helpers import ServerProcess, cached_venv, live_server
 
 pytestmark = pytest.mark.vm
 
 SCHEMATHESIS_VERSION = "4.32.5"
-VENV_ROOT = Path("/var/cache/agentenv/test-venvs")
 # Examples per operation and phase: 30 operations take about two minutes on a 2-core
 # host at 15; the whole run is cut off well before the suite would notice.
 MAX_EXAMPLES = 10
@@ -34,27 +31,11 @@ RUN_TIMEOUT_S = 420
 
 @pytest.fixture(scope="module")
 def schemathesis_cli() -> Path:
-    """The ``st`` command of a cached virtualenv. A marker written last tells a finished
-    install from an interrupted one, which is thrown away and rebuilt."""
-    venv = VENV_ROOT / f"schemathesis-{SCHEMATHESIS_VERSION}"
-    cli, done = venv / "bin" / "st", venv / ".installed"
-    if done.exists():
-        return cli
-    shutil.rmtree(venv, ignore_errors=True)
-    VENV_ROOT.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        requirement = f"schemathesis=={SCHEMATHESIS_VERSION}"
-        subprocess.run(
-            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", requirement],
-            check=True,
-            timeout=600,
-        )
-    except BaseException:
-        shutil.rmtree(venv, ignore_errors=True)
-        raise
-    done.write_text(SCHEMATHESIS_VERSION + "\n")
-    return cli
+    """The ``st`` command of a cached virtualenv."""
+    venv = cached_venv(
+        f"schemathesis-{SCHEMATHESIS_VERSION}", f"schemathesis=={SCHEMATHESIS_VERSION}"
+    )
+    return venv / "bin" / "st"
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess
+from tests.helpers import ServerProcess, cached_venv
 
 pytestmark = pytest.mark.vm
 
 OLD_SDK_VERSION = "2.40.0"
-VENV_ROOT = Path("/var/cache/agentenv/test-venvs")
 
 SCRIPT = r"""
 import json, sys
@@ -69,26 +66,8 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def old_sdk_python() -> Path:
-    """A cached virtualenv with the old SDK. A marker written last tells a finished
-    install from an interrupted one, which is thrown away and rebuilt."""
-    venv = VENV_ROOT / f"e2b-{OLD_SDK_VERSION}"
-    python, done = venv / "bin" / "python", venv / ".installed"
-    if done.exists():
-        return python
-    shutil.rmtree(venv, ignore_errors=True)
-    VENV_ROOT.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"e2b=={OLD_SDK_VERSION}"],
-            check=True,
-            timeout=600,
-        )
-    except BaseException:
-        shutil.rmtree(venv, ignore_errors=True)
-        raise
-    done.write_text(OLD_SDK_VERSION + "\n")
-    return python
+    """The Python of a cached virtualenv with the old SDK."""
+    return cached_venv(f"e2b-{OLD_SDK_VERSION}", f"e2b=={OLD_SDK_VERSION}") / "bin" / "python"
 
 
 def test_old_sdk_uses_v1_paths(old_sdk_python: Path, e2b_server: ServerProcess) -> None:
