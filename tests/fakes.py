@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from fastapi import FastAPI
 
 from agentenv.config import Config
 from agentenv.network import EgressPolicy, NetworkError, NetworkManager, SandboxNetwork
@@ -541,3 +542,12 @@ async def start_node(
 def vm_dir(view: SandboxView) -> Path:
     """Where the fake driver keeps the VM of sandbox ``view``."""
     return SandboxDir(view.record.workdir).vm_dir
+
+
+def in_process_client(app: FastAPI, api_key: str) -> httpx.AsyncClient:
+    """An HTTP client of ``app`` served in this process, sending ``api_key``."""
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://api.test",
+        headers={"X-API-Key": api_key},
+    )

@@ -24,7 +24,7 @@ from agentenv.limits import (
 )
 from agentenv.orchestrator import builds as builds_module
 from agentenv.orchestrator.builds import BuildManager
-from tests.fakes import FAKE_TEMPLATE, Node, start_node
+from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
@@ -47,11 +47,7 @@ def app(node: Node) -> FastAPI:
 
 @pytest.fixture
 async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://api.test",
-        headers={"X-API-Key": API_KEY},
-    ) as client:
+    async with in_process_client(app, API_KEY) as client:
         yield client
 
 

@@ -14,7 +14,6 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentenv.api.app import create_app
@@ -31,7 +30,7 @@ from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.states import SandboxState
 from agentenv.snapshots.objects import PosixObjectStore
 from agentenv.vmm.base import VMMStartError
-from tests.fakes import FAKE_TEMPLATE, Node, start_node, vm_dir
+from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node, vm_dir
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
@@ -118,11 +117,7 @@ async def test_below_the_floor_a_paused_sandbox_is_not_resumed(node: Node) -> No
 
 async def test_health_degrades_below_the_floor_and_says_why(node: Node) -> None:
     app = create_app(node.orchestrator, "key", manage_lifecycle=False)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://api.test",
-        headers={"X-API-Key": "key"},
-    ) as client:
+    async with in_process_client(app, "key") as client:
         healthy = (await client.get("/health")).json()
         assert healthy["status"] == "ok" and healthy["disk"]["floorBytes"] == 0
         assert healthy["disk"]["freeBytes"] > 0

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from agentenv.api.app import create_app
 from agentenv.api.listing import DEFAULT_SANDBOX_PAGE_SIZE
-from tests.fakes import FAKE_TEMPLATE, Node, start_node
+from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
@@ -36,11 +36,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
 @pytest.fixture
 async def api(node: Node) -> AsyncIterator[httpx.AsyncClient]:
     app: FastAPI = create_app(node.orchestrator, API_KEY, manage_lifecycle=False)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://api.test",
-        headers={"X-API-Key": API_KEY},
-    ) as client:
+    async with in_process_client(app, API_KEY) as client:
         yield client
 
 

@@ -27,7 +27,7 @@ from agentenv.orchestrator.records import PausedEntry
 from agentenv.orchestrator.store import Store
 from agentenv.proxy.forward import ProxyTarget, Refusal, SandboxProxy, target_of
 from agentenv.proxy.paths import RequestPath
-from tests.fakes import FAKE_TEMPLATE, Node, start_node
+from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
@@ -46,11 +46,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
 @pytest.fixture
 async def api(node: Node) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(node.orchestrator, API_KEY, manage_lifecycle=False)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://api.test",
-        headers={"X-API-Key": API_KEY},
-    ) as client:
+    async with in_process_client(app, API_KEY) as client:
         yield client
 
 
