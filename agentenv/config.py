@@ -153,6 +153,10 @@ class Config(BaseModel):
     node_url: str | None = None
     # Seconds between heartbeats; the scheduler marks a node down after several missed.
     heartbeat_interval: float = Field(default=2.0, gt=0)
+    # Seconds a connect of a sandbox another node paused waits for that pause's commit
+    # to reach the repository before answering 503. Below the SDK's 60 s request
+    # timeout, so the client reads why rather than timing out.
+    commit_wait: float = Field(default=50.0, ge=0)
     # Registries reached over plain HTTP / without TLS verification, comma-separated
     # (localhost ones always are).
     insecure_registries: str = ""

@@ -11,12 +11,16 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from agentenv.config import Config
 from agentenv.orchestrator.catalog import Catalog
+from agentenv.orchestrator.errors import CommitPending
+from agentenv.orchestrator.records import PausedEntry, PendingPause
+from agentenv.orchestrator.sync import committed_pause
 from agentenv.snapshots import blobs
 from agentenv.snapshots.leases import (
     LEASES_PREFIX,
@@ -551,3 +555,54 @@ async def test_automatic_collection_runs_once_per_interval_across_nodes(tmp_path
     await second.repository.push_file(garbage)
     await second.collect_garbage_if_due()  # a minute after the first: not due
     assert len(await second.repository.store.list("blobs/")) == 1
+
+
+async def test_a_connect_waits_for_a_pause_another_node_is_committing(tmp_path: Path) -> None:
+    """A pause announced by node a (``catalog/pausing``) makes node b wait for its
+    commit instead of answering "not found"; bounded, then a clear CommitPending."""
+
+    def catalog(node: str) -> Catalog:
+        config = Config(home=tmp_path / node, repository=(tmp_path / "repo").as_uri(), node_id=node)
+        return Catalog(config, set)
+
+    a, b = catalog("a"), catalog("b")
+    now = datetime.now(UTC)
+
+    def paused(generation: int) -> PausedEntry:
+        return PausedEntry(
+            sandbox_id="sbx1",
+            generation=generation,
+            node="a",
+            template_id="base",
+            template_build_id="build",
+            envd_version="0.1.0",
+            started_at=now,
+            end_at=now,
+            paused_at=now,
+            manifest={},
+            blobs={},
+        )
+
+    assert await committed_pause(b, "sbx1", wait=5) is None  # nothing known: not found
+    await a.put_pending(PendingPause(sandbox_id="sbx1", generation=1, node="a", paused_at=now))
+
+    async def commit_later() -> None:
+        await asyncio.sleep(0.5)
+        await a.put_paused(paused(1))
+        await a.drop_pending("sbx1")
+
+    committing = asyncio.create_task(commit_later())
+    entry = await committed_pause(b, "sbx1", wait=30)
+    await committing
+    assert entry is not None and entry.generation == 1
+    # Resumed on a and paused again: generation 1 is in the repository, 2 is on its way,
+    # and b must not take the stale one. Node a never commits it here.
+    await a.put_pending(PendingPause(sandbox_id="sbx1", generation=2, node="a", paused_at=now))
+    with pytest.raises(CommitPending) as raised:
+        await committed_pause(b, "sbx1", wait=0.6)
+    assert raised.value.node == "a" and "not reached the repository" in str(raised.value)
+    # The pausing node itself never waits for its own announcement.
+    assert (await committed_pause(a, "sbx1", wait=0)) == paused(1)
+    # Withdrawn (resumed on a before the commit): b stops waiting.
+    await a.drop_pending("sbx1")
+    assert (await committed_pause(b, "sbx1", wait=0)) == paused(1)

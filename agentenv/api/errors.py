@@ -42,6 +42,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUILD_FAILED: 400,
     # The alias lookup route answers 404, unlike a create's unknown template.
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,
+    # Paused on another node, its commit not landed within the wait: retry later.
+    ErrorCode.COMMIT_PENDING: 503,
 }
 
 _DESCRIPTIONS = {
@@ -55,7 +57,8 @@ _DESCRIPTIONS = {
     431: "Request headers too large",
     500: "Internal error",
     502: "The sandbox's guest did not answer",
-    503: "Repository or capacity unavailable; retry later",
+    503: "Repository or capacity unavailable, or a pause on another node not committed "
+    "yet; retry later",
     507: "No room on the node: below its free-space floor, a write found none, or cache full",
 }
 

@@ -2,7 +2,8 @@
 templates, paused sandboxes), committing to it, and fetching from it into the node cache.
 
 Records live under ``catalog/snapshot/<id>`` (snapshots and templates: one namespace, a
-``type`` field tells them apart; names map to ids) and ``catalog/paused/<sandbox id>``.
+``type`` field tells them apart; names map to ids) and ``catalog/paused/<sandbox id>``;
+``catalog/pausing/<sandbox id>`` says a node paused a sandbox whose commit is on its way.
 A commit pushes every blob first and writes the record last, so a crash or an
 unreachable repository mid-commit leaves the previous state. A paused sandbox is held
 by one node at a time: whoever resumes generation ``g`` of it first claims
@@ -28,7 +29,12 @@ from agentenv.orchestrator.errors import (
     OutOfSpace,
     RepositoryUnavailable,
 )
-from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry
+from agentenv.orchestrator.records import (
+    MalformedRecord,
+    PausedEntry,
+    PendingPause,
+    SnapshotEntry,
+)
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.leases import CollectionBusy
@@ -42,6 +48,7 @@ T = TypeVar("T")
 
 SNAPSHOTS = "snapshot"
 PAUSED = "paused"
+PAUSING = "pausing"
 
 
 async def _guard(what: str, work: Awaitable[T]) -> T:
@@ -240,6 +247,28 @@ class Catalog:
     async def drop_paused(self, sandbox_id: str) -> None:
         await _guard(
             f"removing paused {sandbox_id}", self.repository.delete_record(PAUSED, sandbox_id)
+        )
+
+    async def put_pending(self, pending: PendingPause) -> None:
+        await _guard(
+            f"announcing the pause of {pending.sandbox_id}",
+            self.repository.put_record(PAUSING, pending.sandbox_id, pending.to_wire()),
+        )
+
+    async def get_pending(self, sandbox_id: str) -> PendingPause | None:
+        if not _is_id(sandbox_id):
+            return None
+
+        async def find() -> PendingPause | None:
+            record = await self.repository.get_record(PAUSING, sandbox_id)
+            return None if record is None else PendingPause.from_wire(record)
+
+        return await _guard(f"looking up the pause of {sandbox_id}", find())
+
+    async def drop_pending(self, sandbox_id: str) -> None:
+        await _guard(
+            f"removing the pause of {sandbox_id}",
+            self.repository.delete_record(PAUSING, sandbox_id),
         )
 
     async def claim(self, sandbox_id: str, generation: int) -> bool:

@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     INSUFFICIENT_STORAGE = "insufficient_storage"
     BUILD_FAILED = "build_failed"
     TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
+    COMMIT_PENDING = "commit_pending"
 
 
 class OrchestratorError(Exception):
@@ -94,6 +95,22 @@ class RepositoryUnavailable(OrchestratorError):
     """The snapshot repository could not be read or written."""
 
     code = ErrorCode.REPOSITORY_UNAVAILABLE
+
+
+class CommitPending(OrchestratorError):
+    """The sandbox was paused on another node whose commit of it has not reached the
+    repository within the wait: it may still come (retry), or that node is gone."""
+
+    code = ErrorCode.COMMIT_PENDING
+
+    def __init__(self, sandbox_id: str, node: str, waited: float) -> None:
+        super().__init__(
+            f"sandbox {sandbox_id} was paused on node {node}, whose commit of it has not "
+            f"reached the repository after {waited:.0f} s; retry later (node {node} may be "
+            "down: it resumes there, or here once committed)"
+        )
+        self.sandbox_id = sandbox_id
+        self.node = node
 
 
 class NodeCacheFull(OrchestratorError):

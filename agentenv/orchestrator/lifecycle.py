@@ -292,6 +292,10 @@ class Lifecycle:
         self.store.transition(sandbox_id, S.PAUSING, S.PAUSED, pause_mode="full")
         rec.state = S.PAUSED
         if directory.upload_state() is not None:
+            # Announced before the pause answers, so a connect on another node right
+            # after it waits for the commit rather than answering 404.
+            await self.sync.announce_pause(rec)
+            phases.mark("announce")
             self.sync.start_upload(sandbox_id)
         log.info("sandbox %s paused in %s", sandbox_id, phases)
         return self.view(rec)
@@ -343,6 +347,8 @@ class Lifecycle:
         directory = SandboxDir(rec.workdir)
         await self.sync.stop_upload(sandbox_id)
         await self.resharing.stop(sandbox_id)
+        # Resumed here before its commit: the commit will not come.
+        await self.sync.withdraw_pause(rec)
         upload = directory.upload_state()
         if upload is not None and upload.committed:
             # Committed: another node may have resumed it. Whoever claims this

@@ -165,6 +165,7 @@ class Orchestrator:
             self._operations,
             self._supervisor,
             publishes_paused_state=driver.publishes_paused_state,
+            commit_wait=config.commit_wait,
         )
         self._lifecycle = Lifecycle(
             config.sandboxes_dir,

@@ -97,3 +97,16 @@ class PausedEntry(_Record):
     # The sandbox's envd token's digest (tokens.token_digest): the node resuming it
     # derives the token with its key and checks it against this.
     envd_token_sha256: str | None = None
+
+
+class PendingPause(_Record):
+    """A pause whose commit has not landed yet (``catalog/pausing/<id>``): written by
+    the pausing node before its pause answers, so a node asked to connect the sandbox
+    meanwhile waits for generation ``generation`` instead of answering 404. Stale once
+    a paused record of that generation (or a later one) exists, or once removed (the
+    pausing node resumed or killed the sandbox before committing it)."""
+
+    sandbox_id: str
+    generation: int
+    node: str
+    paused_at: datetime

@@ -23,6 +23,7 @@ from typing import NamedTuple
 from agentenv.network.policy import EgressPolicy
 from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import (
+    CommitPending,
     Conflict,
     NodeCacheFull,
     OperationFailed,
@@ -40,7 +41,7 @@ from agentenv.orchestrator.layout import (
 from agentenv.orchestrator.machines import Machines
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
-from agentenv.orchestrator.records import PausedEntry, SnapshotEntry
+from agentenv.orchestrator.records import PausedEntry, PendingPause, SnapshotEntry
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
 from agentenv.orchestrator.sources import SHAREABLE_KINDS, Sources
 from agentenv.orchestrator.states import SandboxState
@@ -56,6 +57,8 @@ from agentenv.vmm.base import SnapshotFiles
 log = logging.getLogger("agentenv.orchestrator")
 
 COMMIT_RETRY_S = 10.0
+# How often a connect waiting for another node's commit looks again.
+COMMIT_POLL_S = 0.25
 _COMMIT = "commit"
 _UPLOAD = "upload"
 
@@ -75,6 +78,7 @@ class RepositorySync:
         supervisor: Supervisor,
         *,
         publishes_paused_state: bool,
+        commit_wait: float = 50.0,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.store = store
@@ -87,6 +91,7 @@ class RepositorySync:
         self.operations = operations
         self.supervisor = supervisor
         self.publishes_paused_state = publishes_paused_state
+        self.commit_wait = commit_wait
         # Commits and uploads given up for want of space, by snapshot or sandbox id: which
         # job and why. Their files stay on this node (usable here); they are tried again
         # after the next commit or upload that succeeds, and at the next start.
@@ -277,6 +282,36 @@ class RepositorySync:
         directory.set_generation(generation)
         directory.set_upload_state(UploadState("uploading", generation))
 
+    async def announce_pause(self, rec: SandboxRecord) -> None:
+        """Tell the repository this node paused ``rec`` and its commit is on its way, so
+        another node asked to connect it waits for the commit (:meth:`adopt`). Before
+        the pause answers; a repository that cannot be reached is logged, and the pause
+        stands (that node then answers 404 until the commit lands, as before)."""
+        upload = SandboxDir(rec.workdir).upload_state()
+        if upload is None or upload.committed:
+            return
+        pending = PendingPause(
+            sandbox_id=rec.sandbox_id,
+            generation=upload.generation,
+            node=self.catalog.node,
+            paused_at=utcnow(),
+        )
+        try:
+            await self.catalog.put_pending(pending)
+        except RepositoryUnavailable as exc:
+            log.warning("sandbox %s: announcing its pause failed: %s", rec.sandbox_id, exc)
+
+    async def withdraw_pause(self, rec: SandboxRecord) -> None:
+        """The pause announced for ``rec`` will not be committed (resumed or killed here
+        first): other nodes stop waiting for it."""
+        upload = SandboxDir(rec.workdir).upload_state()
+        if upload is None or upload.committed:
+            return
+        try:
+            await self.catalog.drop_pending(rec.sandbox_id)
+        except RepositoryUnavailable as exc:
+            log.warning("sandbox %s: withdrawing its pause failed: %s", rec.sandbox_id, exc)
+
     def start_upload(self, sandbox_id: str) -> None:
         self.supervisor.start_job(_UPLOAD, sandbox_id, lambda: self._upload_until_done(sandbox_id))
 
@@ -389,6 +424,11 @@ class RepositorySync:
             )
             await self.catalog.put_paused(entry)
         directory.set_upload_state(UploadState("committed", generation))
+        try:
+            await self.catalog.drop_pending(sandbox_id)
+        except RepositoryUnavailable as exc:
+            # Harmless: a pause record of this generation makes the announcement stale.
+            log.warning("sandbox %s: removing its pause announcement failed: %s", sandbox_id, exc)
         shutil.rmtree(directory.frozen, ignore_errors=True)
         log.info(
             "paused sandbox %s (generation %d) committed to %s in %.0f ms",
@@ -419,6 +459,7 @@ class RepositorySync:
                 if not await self.catalog.claim(rec.sandbox_id, generation):
                     return
             await self.catalog.drop_paused(rec.sandbox_id)
+            await self.catalog.drop_pending(rec.sandbox_id)
         except RepositoryUnavailable as exc:
             log.warning(
                 "sandbox %s: removing it from the repository failed: %s", rec.sandbox_id, exc
@@ -430,7 +471,7 @@ class RepositorySync:
         such paused sandbox, :class:`Conflict` if another node resumed it first."""
         if self.store.get_sandbox(sandbox_id) is not None:
             return  # adopted by a concurrent call
-        entry = await self.catalog.get_paused(sandbox_id)
+        entry = await committed_pause(self.catalog, sandbox_id, self.commit_wait)
         if entry is None:
             raise SandboxNotFound(sandbox_id)
         self._adopted_token(entry)  # before the claim: a node that cannot serve it leaves it
@@ -550,6 +591,27 @@ class RepositorySync:
 class _Stopped(NamedTuple):
     job: str  # _COMMIT or _UPLOAD
     reason: str
+
+
+async def committed_pause(catalog: Catalog, sandbox_id: str, wait: float) -> PausedEntry | None:
+    """The sandbox's committed pause record; when another node announced a later pause
+    of it, once that one is committed (looked for every ``COMMIT_POLL_S``).
+    :class:`CommitPending` if it is not within ``wait`` seconds; None when the
+    repository holds no pause of it."""
+    started = time.monotonic()
+    while True:
+        entry = await catalog.get_paused(sandbox_id)
+        pending = await catalog.get_pending(sandbox_id)
+        if (
+            pending is None
+            or pending.node == catalog.node
+            or (entry is not None and entry.generation >= pending.generation)
+        ):
+            return entry
+        waited = time.monotonic() - started
+        if waited >= wait:
+            raise CommitPending(sandbox_id, pending.node, waited)
+        await asyncio.sleep(min(COMMIT_POLL_S, wait - waited))
 
 
 def _no_space(exc: BaseException) -> bool:
