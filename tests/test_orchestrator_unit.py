@@ -557,6 +557,30 @@ async def _paused_and_committed(node: Node, sandbox_id: str) -> None:
     assert node.orchestrator.pause_committed(record(node, sandbox_id))
 
 
+async def test_a_connect_right_after_a_pause_on_another_node_waits_for_its_commit(
+    tmp_path: Path,
+) -> None:
+    """B adopts a sandbox A paused a moment ago, its upload still running: B waits for
+    the commit A announced rather than answering not found. Resumed on A before its
+    commit, the announcement is withdrawn and B answers not found at once."""
+    a, b = await _two_nodes(tmp_path)
+    try:
+        view = await a.orchestrator.create(FAKE_TEMPLATE, metadata={"k": "v"})
+        await a.orchestrator.pause(view.sandbox_id)
+        assert not a.orchestrator.pause_committed(record(a, view.sandbox_id))
+        adopted = await b.orchestrator.adopt(view.sandbox_id)
+        assert adopted.state == "running" and adopted.record.metadata == {"k": "v"}
+
+        other = await a.orchestrator.create(FAKE_TEMPLATE)
+        await a.orchestrator.pause(other.sandbox_id)
+        await a.orchestrator.resume(other.sandbox_id)
+        with pytest.raises(SandboxNotFound):
+            await asyncio.wait_for(b.orchestrator.adopt(other.sandbox_id), 5)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_a_node_with_another_token_key_does_not_take_a_sandbox(tmp_path: Path) -> None:
     """The paused record carries no token, only its digest: a node whose key derives
     another token refuses the sandbox before claiming it, so its owner keeps it."""

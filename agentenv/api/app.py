@@ -50,13 +50,16 @@ from agentenv.api.models import (
     TimeoutRequest,
 )
 from agentenv.api.network import create_options, network_info, updated_egress
+from agentenv.api.nodes import NodeBook, node_routes
 from agentenv.api.params import SandboxId, TemplateRef
+from agentenv.api.telemetry import NodeTelemetry
 from agentenv.api.templates import UPLOAD_PATH, template_routes
 from agentenv.cluster.heartbeat import Heartbeat
 from agentenv.limits import (
     MAX_PAGE_SIZE,
     MAX_REQUEST_BODY_BYTES,
 )
+from agentenv.observability import RequestMetrics
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
@@ -78,6 +81,8 @@ def create_app(
     orchestrator: Orchestrator, api_key: str, *, manage_lifecycle: bool = True
 ) -> FastAPI:
     builds = BuildManager(orchestrator)
+    book = NodeBook(orchestrator)
+    telemetry = NodeTelemetry(orchestrator, book)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -85,7 +90,7 @@ def create_app(
             await orchestrator.startup()
         heartbeat = None
         if orchestrator.config.scheduler_url:
-            heartbeat = Heartbeat(orchestrator, orchestrator.config, api_key)
+            heartbeat = Heartbeat(orchestrator, orchestrator.config, api_key, book.node)
             heartbeat.start()
         try:
             yield
@@ -107,6 +112,7 @@ def create_app(
     proxy = SandboxProxy(orchestrator)
     app.state.orchestrator = orchestrator
     app.state.builds = builds
+    app.state.telemetry = telemetry
 
     install_error_handlers(app)
     documented = app.openapi
@@ -125,6 +131,10 @@ def create_app(
     )
     # Sandbox traffic goes to the proxy before routing and authentication.
     app.add_middleware(SandboxTrafficMiddleware, proxy=proxy)
+    # Outermost: times sandbox traffic too, and answers /metrics (observability).
+    app.add_middleware(
+        RequestMetrics, component="node", registry=telemetry.registry, api_key=api_key
+    )
 
     # -- auth ----------------------------------------------------------------------------
     async def require_api_key(
@@ -141,6 +151,7 @@ def create_app(
 
     authed = [Depends(require_api_key)]
     app.include_router(template_routes(orchestrator, builds, api_key, authed))
+    app.include_router(node_routes(book, authed))
 
     def sandbox_body(view: SandboxView) -> Sandbox:
         rec = view.record
@@ -236,7 +247,7 @@ def create_app(
         network = create_options(body)
 
         async def create() -> Sandbox:
-            view = await orchestrator.create(
+            started = orchestrator.create(
                 body.template_id,
                 timeout=body.timeout,
                 metadata=body.metadata,
@@ -246,6 +257,7 @@ def create_app(
                 auto_pause=body.auto_pause,
                 auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
             )
+            view = await telemetry.timed("create", started)
             return sandbox_body(view)
 
         if idempotency_key:
@@ -394,10 +406,12 @@ def create_app(
         except SandboxNotFound:
             # Perhaps paused on another node that shares the repository.
             response.status_code = 201
-            return sandbox_body(await orchestrator.adopt(sandbox_id, timeout))
+            return sandbox_body(
+                await telemetry.timed("resume", orchestrator.adopt(sandbox_id, timeout))
+            )
         if current.state == "paused":
             try:
-                view = await orchestrator.resume(sandbox_id, timeout)
+                view = await telemetry.timed("resume", orchestrator.resume(sandbox_id, timeout))
             except Conflict:
                 pass  # a concurrent connect resumed it first
             else:
@@ -431,7 +445,8 @@ def create_app(
     )
     async def pause_sandbox(sandbox_id: SandboxId, body: PauseRequest | None = None) -> Response:
         # `memory: false` keeps the disk only; the guest boots from it on resume.
-        await orchestrator.pause(sandbox_id, memory=body is None or body.memory)
+        memory = body is None or body.memory
+        await telemetry.timed("pause", orchestrator.pause(sandbox_id, memory=memory))
         return Response(status_code=204)
 
     @app.post(
@@ -445,7 +460,8 @@ def create_app(
     async def resume_sandbox(sandbox_id: SandboxId, body: ConnectRequest | None = None) -> Sandbox:
         """The pre-2.6 SDKs' resume: 409 when the sandbox is already running."""
         timeout = body.timeout if body and body.timeout is not None else None
-        return sandbox_body(await orchestrator.resume(sandbox_id, timeout))
+        resumed = await telemetry.timed("resume", orchestrator.resume(sandbox_id, timeout))
+        return sandbox_body(resumed)
 
     # -- snapshots and forks ---------------------------------------------------------------
     @app.post(
@@ -514,7 +530,9 @@ def create_app(
         """Fork a running sandbox into ``count`` children on this node; the parent keeps
         running. One item per child: its sandbox or the error that stopped it."""
         body = body or ForkRequest()
-        results = await orchestrator.fork(sandbox_id, body.count, body.timeout)
+        results = await telemetry.timed(
+            "fork", orchestrator.fork(sandbox_id, body.count, body.timeout)
+        )
         out = []
         for result in results:
             if isinstance(result, SandboxView):

@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 
 from agentenv import __version__
+from agentenv.api.nodes import Node
 from agentenv.cluster.models import NodeReport
 from agentenv.cluster.scheduler_client import (
     SchedulerClient,
@@ -33,7 +35,9 @@ def host_memory_mib() -> int:
     raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
-def node_report(orchestrator: Orchestrator, config: Config) -> NodeReport:
+def node_report(
+    orchestrator: Orchestrator, config: Config, describe: Callable[[], Node] | None = None
+) -> NodeReport:
     status = orchestrator.node_status()
     sandboxes = orchestrator.list_sandboxes()
     paused = [view.record for view in sandboxes if view.state == "paused"]
@@ -52,15 +56,24 @@ def node_report(orchestrator: Orchestrator, config: Config) -> NodeReport:
         sandboxes=[view.sandbox_id for view in sandboxes],
         templates=sorted(t for t, state in status.templates.items() if state == "ready"),
         problem=status.problem,
+        e2bNode=describe() if describe is not None else None,
     )
 
 
 class Heartbeat:
-    def __init__(self, orchestrator: Orchestrator, config: Config, api_key: str) -> None:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        config: Config,
+        api_key: str,
+        describe: Callable[[], Node] | None = None,
+    ) -> None:
         if config.scheduler_url is None:
             raise ValueError("heartbeats need a scheduler_url")
         self.orchestrator = orchestrator
         self.config = config
+        # The node as GET /nodes describes it, sent along so the gateway can list nodes.
+        self.describe = describe
         self.client = SchedulerClient(config.scheduler_url, api_key)
         self._task: asyncio.Task[None] | None = None
 
@@ -75,7 +88,7 @@ class Heartbeat:
         await self.client.aclose()
 
     async def beat(self) -> None:
-        await self.client.heartbeat(node_report(self.orchestrator, self.config))
+        await self.client.heartbeat(node_report(self.orchestrator, self.config, self.describe))
 
     async def _run(self) -> None:
         failing = False

@@ -9,6 +9,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentenv.api.nodes import Node
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(populate_by_name=True, frozen=True)
@@ -39,6 +41,8 @@ class NodeReport(_Wire):
     templates: list[str] = Field(default_factory=list)
     # Why the node cannot take sandboxes (its base template failed), if it cannot.
     problem: str | None = None
+    # The node as its GET /nodes describes it (E2B's Node), for the gateway's /nodes.
+    e2b_node: Node | None = Field(default=None, alias="e2bNode")
 
 
 class NodeState(StrEnum):

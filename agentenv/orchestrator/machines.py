@@ -86,6 +86,10 @@ class Machines:
         self._exits.pop(sandbox_id, None)
         return self._vms.pop(sandbox_id, None)
 
+    def count(self) -> int:
+        """VMMs driven now."""
+        return len(self._vms)
+
     def current(self, sandbox_id: str) -> VirtualMachine | None:
         """The VM attached for ``sandbox_id``, alive or not."""
         return self._vms.get(sandbox_id)

@@ -351,6 +351,7 @@ class Orchestrator:
             templates=templates,
             disk=disk,
             problem="; ".join(p for p in problems if p) or None,
+            vmms=self._machines.count(),
         )
 
     async def get_settled(self, sandbox_id: str) -> SandboxView:

@@ -89,3 +89,5 @@ class NodeStatus:
     # Why the node is degraded (the base template failed to build, the disk is below its
     # floor, commits stopped for want of space), if it is.
     problem: str | None
+    # VMM processes this node drives now.
+    vmms: int = 0

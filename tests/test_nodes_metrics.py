@@ -1,0 +1,99 @@
+"""``GET /nodes``, ``GET /nodes/{id}`` (E2B's Node and NodeDetail) and ``/metrics`` on
+a node, against an orchestrator with fake VMs."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentenv.api.app import create_app
+from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("qemu-img") is None, reason="disk overlays need qemu-img (qemu-utils)"
+)
+
+API_KEY = "e2b_" + "cd" * 20
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    started = await start_node(tmp_path / "a", tmp_path / "repository")
+    yield started
+    await started.stop()
+
+
+@pytest.fixture
+async def api(node: Node) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(node.orchestrator, API_KEY, manage_lifecycle=False)
+    async with in_process_client(app, API_KEY) as client:
+        yield client
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_nodes_describe_this_node_as_e2b_does(api: httpx.AsyncClient, node: Node) -> None:
+    created = await api.post("/v2/sandboxes", json={"templateID": FAKE_TEMPLATE})
+    assert created.status_code == 201, created.text
+    assert (await api.post("/v2/sandboxes", json={"templateID": "nope"})).status_code == 400
+    listed = (await api.get("/nodes")).json()
+    assert len(listed) == 1
+    me = listed[0]
+    assert me["id"] == "node-a" and me["status"] == "ready"
+    assert me["sandboxCount"] == 1 and me["sandboxStartingCount"] == 0
+    assert (me["createSuccesses"], me["createFails"]) == (1, 1)
+    metrics = me["metrics"]
+    assert metrics["allocatedCPU"] == node.orchestrator.node_status().allocated_vcpus > 0
+    assert metrics["cpuCount"] >= 1 and metrics["memoryTotalBytes"] > 0
+    assert metrics["disks"][0]["totalBytes"] > 0
+    assert set(me["machineInfo"]) == {"cpuFamily", "cpuModel", "cpuModelName", "cpuArchitecture"}
+    detail = (await api.get("/nodes/node-a")).json()
+    assert detail["sandboxes"] == [created.json()["sandboxID"]]
+    assert FAKE_TEMPLATE in detail["cachedBuilds"]
+    assert (await api.get("/nodes/node-z")).status_code == 404
+    async with httpx.AsyncClient(transport=api._transport, base_url="http://api.test") as bare:
+        assert (await bare.get("/nodes")).status_code == 401
+
+
+async def test_metrics_need_the_key_and_count_what_the_node_did(api: httpx.AsyncClient) -> None:
+    async with httpx.AsyncClient(transport=api._transport, base_url="http://api.test") as bare:
+        refused = await bare.get("/metrics")
+        assert refused.status_code == 401 and refused.json()["code"] == 401
+        bearer = await bare.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert bearer.status_code == 200
+    created = await api.post("/v2/sandboxes", json={"templateID": FAKE_TEMPLATE})
+    sandbox_id = created.json()["sandboxID"]
+    assert (await api.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+    assert (await api.post(f"/sandboxes/{sandbox_id}/connect", json={})).status_code == 201
+    answer = await api.get("/metrics")
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("text/plain")
+    got = samples(answer.text)
+    for operation in ("create", "pause", "resume"):
+        labels = (("operation", operation), ("outcome", "ok"))
+        assert got[("aenv_sandbox_operation_seconds_count", labels)] == 1, operation
+    assert got[("aenv_sandboxes", (("state", "running"),))] == 1
+    assert got[("aenv_vmms", ())] == 1
+    assert got[("aenv_sandbox_creates_total", (("outcome", "ok"),))] == 1
+    assert ("aenv_cache_limit_bytes", ()) in got
+    route = (
+        "aenv_http_request_duration_seconds_count",
+        (
+            ("component", "node"),
+            ("method", "POST"),
+            ("route", "/sandboxes/{sandbox_id}/pause"),
+            ("status", "204"),
+        ),
+    )
+    assert got[route] == 1
