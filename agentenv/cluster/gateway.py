@@ -55,15 +55,16 @@ from agentenv.cluster.scheduler_client import (
     SchedulerUnavailable,
 )
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
-from agentenv.proxy.forward import (
+from agentenv.proxy.forward import ProxyTarget, target_of
+from agentenv.proxy.relay import (
     HOP_BY_HOP,
-    MAX_HEADER_BYTES,
-    ProxyTarget,
     Refusal,
-    client_to_upstream,
     deny_websocket,
-    target_of,
-    upstream_to_client,
+    has_body,
+    oversized_head,
+    pump_websocket,
+    refuse,
+    response_headers,
 )
 
 log = logging.getLogger("agentenv.cluster.gateway")
@@ -137,14 +138,9 @@ class Gateway:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-        if header_bytes > MAX_HEADER_BYTES:
-            refusal = Refusal(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
-            if scope["type"] == "http":
-                await refusal.response()(scope, receive, send)
-            else:
-                await receive()
-                await deny_websocket(send, refusal)
+        refusal = oversized_head(scope)
+        if refusal is not None:
+            await refuse(scope, receive, send, refusal)
             return
         headers = Headers(scope=scope)
         target = target_of(headers, self.domain)
@@ -244,11 +240,7 @@ class Gateway:
             raw_path=raw_path + (b"?" + query if query else b"")
         )
         content: Any = body
-        if body is None and (
-            request.method not in ("GET", "HEAD", "OPTIONS")
-            or "content-length" in request.headers
-            or "transfer-encoding" in request.headers
-        ):
+        if body is None and has_body(request.method, request.headers):
             content = request.stream()
         upstream = self.http.build_request(
             request.method, url, headers=_node_headers(request.headers), content=content
@@ -270,7 +262,7 @@ class Gateway:
         return StreamingResponse(
             _relay_body(upstream, node),
             status_code=upstream.status_code,
-            headers=_response_headers(upstream),
+            headers=response_headers(upstream),
             background=BackgroundTask(upstream.aclose),
         )
 
@@ -522,24 +514,11 @@ class Gateway:
             await deny_websocket(send, Refusal(503, str(reason)))
             return
         async with upstream:
-            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-            pumps = [
-                asyncio.create_task(client_to_upstream(receive, upstream)),
-                asyncio.create_task(upstream_to_client(upstream, send)),
-            ]
-            _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            # Collected, the finished pump's too: a client gone mid-send is how it ends.
-            await asyncio.gather(*pumps, return_exceptions=True)
-
-
-def _response_headers(upstream: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+            await pump_websocket(receive, send, upstream)
 
 
 def _replay(upstream: httpx.Response, data: bytes) -> Response:
-    return Response(data, status_code=upstream.status_code, headers=_response_headers(upstream))
+    return Response(data, status_code=upstream.status_code, headers=response_headers(upstream))
 
 
 async def _relay_body(upstream: httpx.Response, node: NodeInfo) -> AsyncIterator[bytes]:

@@ -39,9 +39,8 @@ import websockets
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from websockets.asyncio.client import ClientConnection
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
@@ -58,34 +57,25 @@ from agentenv.proxy.endings import (
     is_connect_stream,
 )
 from agentenv.proxy.paths import PathRefused, RequestPath
+from agentenv.proxy.relay import (
+    HOP_BY_HOP,
+    Refusal,
+    deny_websocket,
+    has_body,
+    oversized_head,
+    pump_websocket,
+    refuse,
+    response_headers,
+)
 
 log = logging.getLogger("agentenv.proxy")
 
 T = TypeVar("T")
 
 _HOST_RE = re.compile(r"^(?P<port>\d{1,5})-(?P<sandbox>[a-z0-9]+)\.(?P<domain>.+)$")
-# Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded, nor are the ones the
-# HTTP client recomputes.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 _TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"
 # Read by the proxy, never passed on to the sandbox.
 _ROUTING_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", _TRAFFIC_TOKEN_HEADER})
-# The same bound h11 (and so envd) applies to a request head.
-MAX_HEADER_BYTES = 16 * 1024
 # envd routes that authenticate themselves, matched exactly: /health is public, /files
 # accepts signed URLs (envd checks the signature, or the token when one is sent).
 _ENVD_PUBLIC_ROUTES = frozenset({"/health", "/files"})
@@ -98,15 +88,6 @@ _ENVD_NODE_ROUTES = frozenset({"/init"})
 class ProxyTarget:
     sandbox_id: str
     port: int
-
-
-@dataclass(frozen=True)
-class Refusal:
-    status: int
-    message: str
-
-    def response(self) -> Response:
-        return JSONResponse({"code": self.status, "message": self.message}, status_code=self.status)
 
 
 def target_of(headers: Headers, domain: str | None) -> ProxyTarget | None:
@@ -142,7 +123,7 @@ def _forwarded_headers(
     forwarded = [
         (k, v)
         for k, v in headers.items()
-        if k not in _HOP_BY_HOP
+        if k not in HOP_BY_HOP
         and k not in _ROUTING_HEADERS
         and not (websocket and k.startswith("sec-websocket-"))
     ]
@@ -259,15 +240,12 @@ class SandboxProxy:
         url = upstream_url(admitted.guest_address, target.port, path, request.scope)
         if isinstance(url, Refusal):
             return url.response()
-        has_body = request.method not in ("GET", "HEAD", "OPTIONS") or (
-            "content-length" in request.headers or "transfer-encoding" in request.headers
-        )
         client = self._client_for(target.sandbox_id)
         upstream_request = client.build_request(
             request.method,
             url,
             headers=_forwarded_headers(request.headers, host=_masked_host(admitted, target)),
-            content=request.stream() if has_body else None,
+            content=request.stream() if has_body(request.method, request.headers) else None,
         )
         try:
             sent = await _until_ended(client.send(upstream_request, stream=True), ending)
@@ -281,15 +259,12 @@ class SandboxProxy:
         if sent is None:
             return Refusal(502, gone_message(target.sandbox_id, ending.reason or "")).response()
         upstream = sent[0]
-        response_headers = {
-            k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
-        }
         content_type = upstream.headers.get("content-type")
         framing = ConnectFraming() if is_connect_stream(content_type) else None
         return StreamingResponse(
             _relay_body(upstream, target, ending, framing),
             status_code=upstream.status_code,
-            headers=response_headers,
+            headers=response_headers(upstream),
             background=BackgroundTask(upstream.aclose),
         )
 
@@ -302,11 +277,11 @@ class SandboxProxy:
         headers = Headers(scope=scope)
         path = request_path(scope, target)
         if isinstance(path, Refusal):
-            await _deny_websocket(send, path)
+            await deny_websocket(send, path)
             return
         admitted = await self.admit(target, path, headers)
         if isinstance(admitted, Refusal):
-            await _deny_websocket(send, admitted)
+            await deny_websocket(send, admitted)
             return
         ending = self._endings.current(target.sandbox_id)  # the same step as admit's check
         query = scope.get("query_string", b"").decode("latin-1")
@@ -333,20 +308,10 @@ class SandboxProxy:
                 compression=None,
             )
         except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-            await _deny_websocket(send, Refusal(502, f"WebSocket to sandbox failed: {exc}"))
+            await deny_websocket(send, Refusal(502, f"WebSocket to sandbox failed: {exc}"))
             return
         async with upstream:
-            await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-            pumps = [
-                asyncio.create_task(_client_to_upstream(receive, upstream)),
-                asyncio.create_task(_upstream_to_client(upstream, send)),
-            ]
-            waiters: list[asyncio.Future[Any]] = [*pumps, ending.future()]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for task in pumps:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await pump_websocket(receive, send, upstream, until=ending.future())
             if ending.reason is not None:
                 # 1001: the endpoint is going away. The guest is not waited for: it will
                 # not answer a close handshake.
@@ -472,48 +437,6 @@ async def _relay_body(
         await upstream.aclose()
 
 
-async def _deny_websocket(send: Send, refusal: Refusal) -> None:
-    # The "websocket.http.response" extension lets the client see a real HTTP status.
-    await send(
-        {
-            "type": "websocket.http.response.start",
-            "status": refusal.status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
-    body = JSONResponse({"code": refusal.status, "message": refusal.message}).body
-    await send({"type": "websocket.http.response.body", "body": body})
-
-
-async def _client_to_upstream(receive: Receive, upstream: ClientConnection) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "websocket.receive":
-            data = message.get("bytes")
-            await upstream.send(data if data is not None else message.get("text") or "")
-        elif message["type"] == "websocket.disconnect":
-            await upstream.close(_sendable_close_code(message.get("code")))
-            return
-
-
-async def _upstream_to_client(upstream: ClientConnection, send: Send) -> None:
-    with contextlib.suppress(websockets.exceptions.ConnectionClosed):
-        async for data in upstream:
-            if isinstance(data, bytes):
-                await send({"type": "websocket.send", "bytes": data})
-            else:
-                await send({"type": "websocket.send", "text": data})
-    await send({"type": "websocket.close", "code": _sendable_close_code(upstream.close_code)})
-
-
-def _sendable_close_code(code: int | None) -> int:
-    """Codes such as 1005 (no status) and 1006 (abnormal closure) describe what happened
-    to a connection but may never be sent in a close frame (RFC 6455 §7.4.1)."""
-    if code is not None and (1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999):
-        return code
-    return 1000
-
-
 class SandboxTrafficMiddleware:
     """Pure ASGI middleware: sandbox traffic goes to the proxy, everything else to the
     wrapped application. (Pure ASGI rather than ``BaseHTTPMiddleware`` so streamed bodies
@@ -525,16 +448,10 @@ class SandboxTrafficMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
-            header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-            if header_bytes > MAX_HEADER_BYTES:
-                # h11 enforces its own limit only when headers span several reads, so
-                # oversized headers are refused here, for the API and the guest alike.
-                refusal = Refusal(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
-                if scope["type"] == "http":
-                    await refusal.response()(scope, receive, send)
-                else:
-                    await receive()
-                    await _deny_websocket(send, refusal)
+            refusal = oversized_head(scope)
+            if refusal is not None:
+                # Refused here for the API and the guest alike.
+                await refuse(scope, receive, send, refusal)
                 return
             target = target_of(Headers(scope=scope), self.proxy.domain)
             if target is not None:
@@ -551,11 +468,3 @@ class SandboxTrafficMiddleware:
                     await self.proxy.forward_websocket(scope, receive, send, target)
                 return
         await self.app(scope, receive, send)
-
-
-# The cluster gateway relays clients' traffic to nodes as this module relays it to guests;
-# these are the pieces it shares (agentenv.cluster.gateway).
-HOP_BY_HOP = _HOP_BY_HOP
-deny_websocket = _deny_websocket
-client_to_upstream = _client_to_upstream
-upstream_to_client = _upstream_to_client
