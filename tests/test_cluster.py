@@ -84,8 +84,9 @@ def wait_for(check: Callable[[], bool], what: str, limit: float = 60.0) -> None:
 
 
 def rosters(cluster: LocalCluster) -> dict[str, list[str]]:
-    with gateway(cluster) as api:
-        return {n["report"]["nodeID"]: n["report"]["sandboxes"] for n in api.get("/nodes").json()}
+    with scheduler(cluster) as sched:
+        listed = sched.get("/nodes").json()
+    return {n["report"]["nodeID"]: n["report"]["sandboxes"] for n in listed}
 
 
 def owner(cluster: LocalCluster, sandbox_id: str) -> str:

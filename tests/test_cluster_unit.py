@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.bindings import MemoryBindings, RedisBindings
@@ -369,16 +370,48 @@ async def test_a_sandbox_on_a_dead_node_is_503_node_unavailable(
     assert answer.status_code == 503 and "stopped heartbeating" in answer.json()["message"]
 
 
-async def test_gateway_nodes_need_the_key(
+async def test_gateway_nodes_are_e2b_nodes_and_need_the_key(
     gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
 ) -> None:
-    client, _, _ = gateway
+    client, nodes, reg = gateway
+    auth = {"X-API-Key": KEY}
     assert (await client.get("/nodes")).status_code == 401
-    nodes = (await client.get("/nodes", headers={"X-API-Key": KEY})).json()
-    assert [n["report"]["nodeID"] for n in nodes] == ["a", "b"]
-    one = await client.get("/nodes/b", headers={"X-API-Key": KEY})
-    assert one.json()["state"] == "up"
-    assert (await client.get("/nodes/zz", headers={"X-API-Key": KEY})).status_code == 404
+    listed = (await client.get("/nodes", headers=auth)).json()
+    assert [(n["id"], n["status"]) for n in listed] == [("a", "ready"), ("b", "ready")]
+    assert listed[0]["metrics"]["cpuCount"] == 4  # described from its heartbeat report
+    # An up node answers for itself.
+    assert (await client.get("/nodes/b", headers=auth)).json() == {"node": "b"}
+    assert ("b", "GET /nodes/b") in nodes.requests
+    assert (await client.get("/nodes/zz", headers=auth)).status_code == 404
+    # A down node is described from its last heartbeat, unhealthy.
+    reg.clock.now += 60  # type: ignore[attr-defined]
+    await reg.heartbeat(report("a"))
+    reg.mark_silent_down()
+    down = (await client.get("/nodes/b", headers=auth)).json()
+    assert (down["id"], down["status"], down["cachedBuilds"]) == ("b", "unhealthy", ["base"])
+    listed = (await client.get("/nodes", headers=auth)).json()
+    assert [(n["id"], n["status"]) for n in listed] == [("a", "ready"), ("b", "unhealthy")]
+
+
+async def test_gateway_metrics_time_requests_and_nodes(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, _nodes, _reg = gateway
+    await client.post("/sandboxes", json={"templateID": "base"})
+    assert (await client.get("/metrics")).status_code == 401
+    answer = await client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 200
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(answer.text)
+        for s in family.samples
+    }
+    created = (("component", "gateway"), ("method", "POST"), ("route", "create"), ("status", "201"))
+    assert got[("aenv_http_request_duration_seconds_count", created)] == 1
+    upstream = [
+        v for (name, labels), v in got.items() if name == "aenv_gateway_upstream_seconds_count"
+    ]
+    assert sum(upstream) == 1
 
 
 async def test_an_unreachable_scheduler_is_a_503() -> None:

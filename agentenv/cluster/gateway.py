@@ -17,27 +17,28 @@ scheduler, so several gateways can run against one scheduler.
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
   404; a scheduler that cannot be reached is a 503 too.
 
-The gateway checks the API key only on what it answers itself (``/nodes``); nodes check
-everything they are sent.
+The gateway checks the API key only on what it answers itself (``/nodes``, ``/metrics``);
+nodes check everything they are sent. ``GET /nodes`` lists every node the scheduler
+knows as E2B's ``Node`` (``unhealthy`` while down); ``GET /nodes/{id}`` is that node's
+own answer, or its last heartbeat's when it cannot be asked. ``/metrics`` has the
+gateway's request latencies (``route`` is a class: create, listing, sandbox-control,
+sandbox-traffic, nodes, health, other) and ``aenv_gateway_upstream_seconds{node,
+outcome}``, the time nodes took to answer what the gateway sent them.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import re
-import secrets
-import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx
-import uvicorn
 import websockets
+from prometheus_client import CollectorRegistry, Histogram
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -47,7 +48,13 @@ from websockets.asyncio.client import connect as ws_connect
 
 from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
 from agentenv.cluster.answers import field_of, fork_children, read_bounded
-from agentenv.cluster.listing import NEXT_TOKEN_HEADER, merge_pages, sandbox_key
+from agentenv.cluster.listing import (
+    NEXT_TOKEN_HEADER,
+    e2b_node,
+    e2b_node_detail,
+    merge_pages,
+    sandbox_key,
+)
 from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
 from agentenv.cluster.scheduler_client import (
     SchedulerClient,
@@ -55,6 +62,7 @@ from agentenv.cluster.scheduler_client import (
     SchedulerUnavailable,
 )
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
+from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches
 from agentenv.proxy.forward import ProxyTarget, target_of
 from agentenv.proxy.relay import (
     HOP_BY_HOP,
@@ -121,6 +129,21 @@ class Gateway:
         # within that time, and a node that stops answering is a 503 either way.
         self.route_cache_s = route_cache_s
         self._routes: dict[str, tuple[float, NodeInfo]] = {}
+        self.registry = CollectorRegistry()
+        self.upstream_seconds = Histogram(
+            "aenv_gateway_upstream_seconds",
+            "Time a node took to answer the gateway (to its response head)",
+            ["node", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._timed = RequestMetrics(
+            self._serve,
+            component="gateway",
+            registry=self.registry,
+            api_key=api_key,
+            route_of=lambda scope: scope.get("aenv.route"),
+        )
         # One client (one connection pool) for every node. No overall timeout: streams
         # (process output, downloads) may run for long.
         self.http = httpx.AsyncClient(
@@ -138,6 +161,9 @@ class Gateway:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        await self._timed(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         refusal = oversized_head(scope)
         if refusal is not None:
             await refuse(scope, receive, send, refusal)
@@ -205,6 +231,7 @@ class Gateway:
 
     # -- HTTP ----------------------------------------------------------------------------
     async def _http(self, request: Request, target: ProxyTarget | None) -> Response:
+        request.scope["aenv.route"] = _route_class(request, target)
         if target is not None:
             node = await self._traffic_owner(target.sandbox_id)
             if node is None:
@@ -245,12 +272,20 @@ class Gateway:
         upstream = self.http.build_request(
             request.method, url, headers=_node_headers(request.headers), content=content
         )
+        started = time.perf_counter()
         try:
-            return await self.http.send(upstream, stream=True)
+            answer = await self.http.send(upstream, stream=True)
         except httpx.HTTPError as exc:
+            self._upstream(node, started, "error")
             raise NodeUnavailable(
                 node.node_id, f"did not answer ({str(exc) or type(exc).__name__})"
             ) from exc
+        self._upstream(node, started, "ok")
+        return answer
+
+    def _upstream(self, node: NodeInfo, started: float, outcome: str) -> None:
+        elapsed = time.perf_counter() - started
+        self.upstream_seconds.labels(node.node_id, outcome).observe(elapsed)
 
     async def _relay(
         self, request: Request, node: NodeInfo, sandbox_id: str | None = None
@@ -384,9 +419,13 @@ class Gateway:
 
         async def one(node: NodeInfo) -> httpx.Response:
             url = node.report.url.rstrip("/") + request.url.path + (f"?{query}" if query else "")
+            started = time.perf_counter()
             try:
-                return await self.http.get(url, headers=headers)
+                answer = await self.http.get(url, headers=headers)
+                self._upstream(node, started, "ok")
+                return answer
             except httpx.HTTPError as exc:
+                self._upstream(node, started, "error")
                 raise NodeUnavailable(
                     node.node_id, f"did not answer a listing ({str(exc) or type(exc).__name__})"
                 ) from exc
@@ -415,16 +454,23 @@ class Gateway:
         return JSONResponse(items, headers=headers_out)
 
     async def _nodes(self, request: Request) -> Response:
-        if not self._authorised(request.headers):
+        if not key_matches(request.headers, self.api_key):
             return _error(401, "missing or invalid API key")
         node_id = request.url.path.removeprefix("/nodes").strip("/")
         if not node_id:
-            nodes = await self.scheduler.nodes()
-            return JSONResponse([n.model_dump(mode="json", by_alias=True) for n in nodes])
+            known = await self.scheduler.nodes()
+            return JSONResponse([e2b_node(n).model_dump(mode="json", by_alias=True) for n in known])
         node = await self.scheduler.node(node_id)
         if node is None:
             return _error(404, f"node {node_id!r} not found")
-        return JSONResponse(node.model_dump(mode="json", by_alias=True))
+        if node.state is NodeState.UP:
+            try:
+                upstream, data = await self._buffered(request, node)
+                if upstream.status_code == 200:
+                    return _replay(upstream, data)
+            except NodeUnavailable as exc:
+                log.info("GET /nodes/%s answered from its heartbeat: %s", node_id, exc)
+        return JSONResponse(e2b_node_detail(node).model_dump(mode="json", by_alias=True))
 
     async def _health(self) -> Response:
         """A node's ``/health`` (what ``aenv`` reads: version, VMM, templates), from the
@@ -448,15 +494,6 @@ class Gateway:
             health["status"] = "degraded"
             health["detail"] = f"nodes down: {', '.join(down)}"
         return JSONResponse(health)
-
-    def _authorised(self, headers: Headers) -> bool:
-        presented = headers.get("x-api-key")
-        authorization = headers.get("authorization") or ""
-        if presented is None and authorization.lower().startswith("bearer "):
-            presented = authorization[7:].strip()
-        return presented is not None and secrets.compare_digest(
-            presented.encode(), self.api_key.encode()
-        )
 
     # -- WebSocket -----------------------------------------------------------------------
     async def _websocket(
@@ -517,6 +554,20 @@ class Gateway:
             await pump_websocket(receive, send, upstream)
 
 
+def _route_class(request: Request, target: ProxyTarget | None) -> str:
+    """The request's class, the ``route`` label of the gateway's latency metrics."""
+    path = request.url.path
+    if target is not None:
+        return "sandbox-traffic"
+    if path in _LISTING:
+        return "listing" if request.method == "GET" else "create"
+    if _SANDBOX_ROUTE.match(path):
+        return "sandbox-control"
+    if path == "/nodes" or path.startswith("/nodes/"):
+        return "nodes"
+    return "health" if path == "/health" else "other"
+
+
 def _replay(upstream: httpx.Response, data: bytes) -> Response:
     return Response(data, status_code=upstream.status_code, headers=response_headers(upstream))
 
@@ -529,53 +580,3 @@ async def _relay_body(upstream: httpx.Response, node: NodeInfo) -> AsyncIterator
             yield chunk
     except httpx.HTTPError as exc:
         log.warning("node %s broke off a response: %s", node.node_id, exc)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="aenv-gateway", description=__doc__.split("\n")[0])
-    parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"host:port ({DEFAULT_LISTEN})")
-    parser.add_argument(
-        "--scheduler",
-        default=os.environ.get("AENV_SCHEDULER_URL"),
-        help="the scheduler's URL (env AENV_SCHEDULER_URL)",
-    )
-    parser.add_argument(
-        "--domain",
-        default=os.environ.get("AENV_DOMAIN"),
-        help="the nodes' AENV_DOMAIN: `{port}-{id}.{domain}` hosts route to sandboxes",
-    )
-    parser.add_argument(
-        "--route-cache",
-        type=float,
-        default=1.0,
-        help="seconds a sandbox's node is remembered for its traffic (default 1; 0: never)",
-    )
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    api_key = os.environ.get("AENV_API_KEY")
-    if not api_key or not args.scheduler:
-        sys.exit("aenv-gateway: set AENV_API_KEY and --scheduler (or AENV_SCHEDULER_URL)")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    gateway = Gateway(
-        SchedulerClient(args.scheduler, api_key),
-        api_key,
-        args.domain,
-        route_cache_s=args.route_cache,
-    )
-    host, _, port = args.listen.rpartition(":")
-    uvicorn.run(
-        gateway,
-        host=host,
-        port=int(port),
-        log_level="warning",
-        timeout_keep_alive=KEEP_ALIVE_S,
-        h11_max_incomplete_event_size=1024 * 1024,
-    )
-
-
-if __name__ == "__main__":
-    main()

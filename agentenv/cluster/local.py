@@ -188,7 +188,7 @@ class LocalCluster:
             [
                 python,
                 "-m",
-                "agentenv.cluster.gateway",
+                "agentenv.cluster.gateway_main",
                 "--listen",
                 f"127.0.0.1:{self.gateway_port}",
                 "--scheduler",
