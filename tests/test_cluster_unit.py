@@ -17,9 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.bindings import MemoryBindings, RedisBindings
+from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
 from agentenv.cluster.gateway import Gateway
 from agentenv.cluster.listing import merge_pages, sandbox_key
-from agentenv.cluster.models import NodeReport, NodeState
+from agentenv.cluster.models import NodeReport, NodeState, PlacementRequest
 from agentenv.cluster.placement import Candidate, Demand, LeastLoaded
 from agentenv.cluster.registry import NoCapacity, NodeRegistry
 from agentenv.cluster.scheduler import create_scheduler_app
@@ -570,3 +571,95 @@ async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
     assert (await client.get("/files", headers=traffic)).status_code == 503
     await reg.bind("i1", "a")
     assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
+
+
+# -- discovery and the scheduler's metrics -------------------------------------------------
+class FakeDiscoveryApi:
+    """kubernetes.client.DiscoveryV1Api's one call the scheduler makes, answering with the
+    client's own models."""
+
+    def __init__(self) -> None:
+        self.addresses: list[tuple[str, bool]] = []
+        self.asked: list[tuple[str, str]] = []
+
+    def list_namespaced_endpoint_slice(self, namespace: str, label_selector: str) -> Any:
+        from kubernetes.client import DiscoveryV1EndpointPort as Port
+        from kubernetes.client import (
+            V1Endpoint,
+            V1EndpointConditions,
+            V1EndpointSlice,
+            V1EndpointSliceList,
+            V1ObjectMeta,
+        )
+
+        self.asked.append((namespace, label_selector))
+        endpoints = [
+            V1Endpoint(addresses=[ip], conditions=V1EndpointConditions(ready=ready))
+            for ip, ready in self.addresses
+        ]
+        item = V1EndpointSlice(
+            address_type="IPv4",
+            endpoints=endpoints,
+            ports=[Port(name="metrics", port=9100), Port(name="api", port=8000)],
+            metadata=V1ObjectMeta(name="aenv-node-abc"),
+        )
+        return V1EndpointSliceList(items=[item])
+
+
+async def test_endpoint_slices_list_ready_nodes_and_vanished_ones_go_down() -> None:
+    api = FakeDiscoveryApi()
+    api.addresses = [("10.0.0.1", True), ("10.0.0.2", True), ("10.0.0.3", False)]
+    discovery = EndpointSliceDiscovery("agentenv", "aenv-node", api=api)
+    urls = await discovery.node_urls()
+    assert urls == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+    assert api.asked == [("agentenv", "kubernetes.io/service-name=aenv-node")]
+    reg = registry(Clock())
+    for name, url in (("a", "http://10.0.0.1:8000"), ("b", "http://10.0.0.2:8000")):
+        await reg.heartbeat(report(name, url=url))
+    assert reg.follow_discovery(urls) == []
+    api.addresses = [("10.0.0.1", True)]  # b's pod is gone
+    assert reg.follow_discovery(await discovery.node_urls()) == ["b"]
+    assert [n.state for n in reg.nodes()] == [NodeState.UP, NodeState.DOWN]
+    # A node discovery never listed is left to its heartbeats.
+    await reg.heartbeat(report("c", url="http://10.0.0.9:8000"))
+    assert reg.follow_discovery({"http://10.0.0.1:8000"}) == []
+
+
+def test_discovery_specs() -> None:
+    static = open_discovery("static:http://a:8000,http://b:8000/")
+    assert isinstance(static, StaticDiscovery) and static.urls == {"http://a:8000", "http://b:8000"}
+    k8s = open_discovery("kubernetes:agentenv/aenv-node:8000")
+    assert isinstance(k8s, EndpointSliceDiscovery) and k8s.port == 8000
+    assert open_discovery(None) is None
+    for bad in ("kubernetes:agentenv", "dns:x", "kubernetes:a/b:port"):
+        with pytest.raises(ValueError):
+            open_discovery(bad)
+
+
+async def test_scheduler_metrics_count_placements_and_nodes() -> None:
+    reg = registry(Clock(), overcommit=4.0)
+    app = create_scheduler_app(reg, KEY)
+    transport = httpx.ASGITransport(app=app)
+    scheduler = SchedulerClient("http://scheduler.test", KEY, transport=transport)
+    await scheduler.heartbeat(report("a"))
+    await scheduler.place(PlacementRequest(templateID="base"))
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://scheduler.test"
+    ) as client:
+        assert (await client.get("/metrics")).status_code == 401
+        answer = await client.get("/metrics", headers={"X-API-Key": KEY})
+    await scheduler.aclose()
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(answer.text)
+        for s in family.samples
+    }
+    assert got[("aenv_scheduler_placements_total", (("node", "a"), ("outcome", "placed")))] == 1
+    assert got[("aenv_scheduler_nodes", (("state", "up"),))] == 1
+    heartbeats = (
+        ("component", "scheduler"),
+        ("method", "POST"),
+        ("route", "/heartbeats"),
+        ("status", "200"),
+    )
+    assert got[("aenv_http_request_duration_seconds_count", heartbeats)] == 1

@@ -84,6 +84,8 @@ class NodeRegistry:
         self.reservation_ttl = reservation_ttl
         self.clock = clock
         self._nodes: dict[str, _Node] = {}
+        # Node URLs discovery listed at its last look.
+        self._discovered: set[str] = set()
 
     async def load(self) -> None:
         """The nodes the store remembers, up until they miss ``node_timeout`` from now:
@@ -143,6 +145,22 @@ class NodeRegistry:
                 self._set_state(node, NodeState.DOWN)
                 downed.append(node.report.node_id)
         return downed
+
+    def follow_discovery(self, urls: set[str]) -> list[str]:
+        """Discovery (``discovery``) listed ``urls`` now: up nodes whose URL it listed
+        before and lists no more become down; returns their ids. (Nodes never listed
+        are left to their heartbeats: a list that lags must not down a new node.)"""
+        vanished = self._discovered - urls
+        self._discovered = set(urls)
+        downed = []
+        for node in self._nodes.values():
+            if node.state is NodeState.UP and node.report.url.rstrip("/") in vanished:
+                self._set_state(node, NodeState.DOWN)
+                downed.append(node.report.node_id)
+        return downed
+
+    def discovered(self) -> set[str]:
+        return set(self._discovered)
 
     async def forget(self, node_id: str) -> None:
         """A node that left for good (it said so): its record goes, its bindings stay

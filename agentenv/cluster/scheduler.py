@@ -3,6 +3,11 @@ served over HTTP (default ``127.0.0.1:9090``) to nodes (heartbeats) and gateways
 (placements, binding lookups). Bindings live in Redis with ``--redis``, else in memory;
 either way they are rebuilt from the nodes' heartbeat rosters (see ``registry``).
 
+``/metrics`` (with the API key) has its request latencies, placement decisions
+(``aenv_scheduler_placements_total{node, outcome}``) and nodes by state. With
+``--discovery`` (``discovery``), nodes that leave a static list or a Kubernetes
+Service's EndpointSlices are marked down at once.
+
 It runs as a process of its own, never inside a gateway: gateways are stateless and
 several may run against one scheduler, so the registry (which holds the live node list
 and the reservations placements make between heartbeats) must be one, reachable by all
@@ -20,27 +25,33 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from agentenv import __version__
 from agentenv.cluster.bindings import BindingStoreUnavailable, open_binding_store
+from agentenv.cluster.discovery import Discovery, DiscoveryError, open_discovery
 from agentenv.cluster.models import (
     Binding,
     BindRequest,
     ClusterError,
     NodeInfo,
     NodeReport,
+    NodeState,
     Placement,
     PlacementRequest,
 )
 from agentenv.cluster.placement import Demand, LeastLoaded, PlacementStrategy
 from agentenv.cluster.registry import NoCapacity, NodeRegistry, UnknownNode
+from agentenv.observability import RequestMetrics
 
 log = logging.getLogger("agentenv.cluster.scheduler")
 
@@ -51,17 +62,63 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(ClusterError(code=status, message=message).model_dump(), status)
 
 
+class _NodesCollector(Collector):
+    def __init__(self, registry: NodeRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        nodes = GaugeMetricFamily("aenv_scheduler_nodes", "Nodes by state", labels=["state"])
+        known = self.registry.nodes()
+        for state in NodeState:
+            nodes.add_metric([state.value], sum(1 for n in known if n.state is state))
+        yield nodes
+        yield GaugeMetricFamily(
+            "aenv_scheduler_discovered_nodes",
+            "Node URLs discovery listed at its last look",
+            value=len(self.registry.discovered()),
+        )
+
+
 def create_scheduler_app(
-    registry: NodeRegistry, api_key: str, *, sweep_interval: float = 1.0
+    registry: NodeRegistry,
+    api_key: str,
+    *,
+    sweep_interval: float = 1.0,
+    discovery: Discovery | None = None,
+    discovery_interval: float = 5.0,
 ) -> FastAPI:
-    """The scheduler's API over ``registry``; its lifespan loads the stored nodes and
-    marks silent ones down every ``sweep_interval`` seconds."""
+    """The scheduler's API over ``registry``; its lifespan loads the stored nodes, marks
+    silent ones down every ``sweep_interval`` seconds and, with ``discovery``, nodes
+    that left its list every ``discovery_interval`` seconds."""
+    metrics = CollectorRegistry()
+    placements = Counter(
+        "aenv_scheduler_placements",
+        "Placement decisions: the node chosen, or no_capacity",
+        ["node", "outcome"],
+        registry=metrics,
+    )
+    metrics.register(_NodesCollector(registry))
 
     async def sweep() -> None:
         while True:
             await asyncio.sleep(sweep_interval)
             for node_id in registry.mark_silent_down():
                 log.warning("node %s stopped heartbeating: marked down", node_id)
+
+    async def discover(discovery: Discovery) -> None:
+        failing = False
+        while True:
+            try:
+                urls = await discovery.node_urls()
+            except DiscoveryError as exc:
+                if not failing:
+                    log.warning("discovery failed (nodes kept as they are): %s", exc)
+                failing = True
+            else:
+                failing = False
+                for node_id in registry.follow_discovery(urls):
+                    log.warning("node %s left discovery: marked down", node_id)
+            await asyncio.sleep(discovery_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -71,13 +128,17 @@ def create_scheduler_app(
             # Serve anyway: heartbeats bring the nodes back, and bindings are answered
             # (503) once the store is reachable again.
             log.warning("nodes not loaded: %s", exc)
-        task = asyncio.get_running_loop().create_task(sweep())
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(sweep())]
+        if discovery is not None:
+            tasks.append(loop.create_task(discover(discovery)))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await registry.store.aclose()
 
     async def require_api_key(x_api_key: Annotated[str | None, Header()] = None) -> None:
@@ -85,6 +146,7 @@ def create_scheduler_app(
             raise _Refused(401, "missing or invalid X-API-Key")
 
     app = FastAPI(title="agentenv scheduler", version=__version__, lifespan=lifespan)
+    app.add_middleware(RequestMetrics, component="scheduler", registry=metrics, api_key=api_key)
     authed = [Depends(require_api_key)]
 
     @app.exception_handler(_Refused)
@@ -97,7 +159,12 @@ def create_scheduler_app(
 
     @app.get("/health")
     async def health() -> dict[str, object]:
-        return {"status": "ok", "version": __version__, "nodes": len(registry.nodes())}
+        return {
+            "status": "ok",
+            "version": __version__,
+            "nodes": len(registry.nodes()),
+            "discovered": len(registry.discovered()),
+        }
 
     @app.post("/heartbeats", response_model=NodeInfo, dependencies=authed)
     async def heartbeat(report: NodeReport) -> NodeInfo:
@@ -125,7 +192,9 @@ def create_scheduler_app(
         try:
             placement_id, node = registry.place(demand)
         except NoCapacity as exc:
+            placements.labels("", "no_capacity").inc()
             raise _Refused(503, str(exc)) from exc
+        placements.labels(node.node_id, "placed").inc()
         log.info("placed a sandbox of %s on %s", body.template_id, node.node_id)
         return Placement(placementID=placement_id, node=node)
 
@@ -201,11 +270,21 @@ def main(argv: list[str] | None = None) -> None:
         default=30.0,
         help="seconds a new binding is kept though its node's roster lacks it (default 30)",
     )
+    parser.add_argument(
+        "--discovery",
+        default=os.environ.get("AENV_DISCOVERY"),
+        help="static:URL,... or kubernetes:NAMESPACE/SERVICE[:PORT] (env AENV_DISCOVERY): "
+        "nodes leaving that list are marked down at once (default: heartbeats only)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key:
         sys.exit("aenv-scheduler: set AENV_API_KEY (the key nodes and gateways present)")
+    try:
+        discovery = open_discovery(args.discovery)
+    except ValueError as exc:
+        sys.exit(f"aenv-scheduler: {exc}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -215,7 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         node_timeout=args.node_timeout,
         binding_grace=args.binding_grace,
     )
-    app = create_scheduler_app(registry, api_key, sweep_interval=min(1.0, args.node_timeout / 4))
+    app = create_scheduler_app(
+        registry,
+        api_key,
+        sweep_interval=min(1.0, args.node_timeout / 4),
+        discovery=discovery,
+    )
     host, _, port = args.listen.rpartition(":")
     uvicorn.run(app, host=host, port=int(port), log_level="warning")
 
