@@ -153,6 +153,8 @@ class Config(BaseModel):
     node_url: str | None = None
     # Seconds between heartbeats; the scheduler marks a node down after several missed.
     heartbeat_interval: float = Field(default=2.0, gt=0)
+    # The cluster this node belongs to, as GET /nodes names it (E2B's clusterID).
+    cluster_id: str = Field(default="default", min_length=1, max_length=200)
     # Seconds a connect of a sandbox another node paused waits for that pause's commit
     # to reach the repository before answering 503. Below the SDK's 60 s request
     # timeout, so the client reads why rather than timing out.

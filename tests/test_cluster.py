@@ -1,6 +1,6 @@
-"""A local 2-node cluster (Redis, scheduler, gateway, two nodes sharing a repository), as
-``scripts/cluster up`` starts it, driven through the gateway with the unmodified ``e2b``
-SDK. The tests share one cluster and run in order: the last kills a node."""
+"""A local 3-node cluster (Redis, scheduler, gateway, three nodes sharing a repository),
+as ``scripts/cluster up`` starts it, driven through the gateway with the unmodified
+``e2b`` SDK. The tests share one cluster and run in order: the last kills a node."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import PtySize, Sandbox
 
 from agentenv.client import AgentEnv
 from agentenv.cluster.local import LocalCluster
@@ -26,10 +26,11 @@ pytestmark = pytest.mark.vm
 def cluster(test_root: Path, guest_image: None) -> Iterator[LocalCluster]:
     local = LocalCluster(
         test_root / "cluster",
-        nodes=2,
+        nodes=3,
         heartbeat_interval=0.5,
         node_timeout=3.0,
-        node_env={"AENV_NETWORK_LINGER": "1"},
+        # A commit under TCG on a busy machine may take long; the wait covers it.
+        node_env={"AENV_NETWORK_LINGER": "1", "AENV_COMMIT_WAIT": "170"},
     )
     try:
         local.up()
@@ -52,8 +53,8 @@ def opts(cluster: LocalCluster) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pair(cluster: LocalCluster, opts: dict[str, Any]) -> list[Sandbox]:
-    """Two sandboxes created through the gateway, one after the other."""
-    return [Sandbox.create(timeout=600, **opts) for _ in range(2)]
+    """One sandbox per node, created through the gateway one after the other."""
+    return [Sandbox.create(timeout=600, **opts) for _ in range(cluster.nodes)]
 
 
 def gateway(cluster: LocalCluster) -> httpx.Client:
@@ -96,10 +97,20 @@ def owner(cluster: LocalCluster, sandbox_id: str) -> str:
     return str(binding.json()["nodeID"])
 
 
-def test_two_creates_land_on_different_nodes(cluster: LocalCluster, pair: list[Sandbox]) -> None:
-    # Both nodes are empty and alike: least-loaded placement puts the second create on
-    # the node the first did not take (the first's reservation counts at once).
-    assert {owner(cluster, s.sandbox_id) for s in pair} == {"node-0", "node-1"}
+def node_api(cluster: LocalCluster, name: str) -> httpx.Client:
+    """A client of one node directly, not through the gateway."""
+    return httpx.Client(
+        base_url=f"http://{cluster.procs[name].env['AENV_LISTEN']}",
+        headers={"X-API-Key": cluster.api_key},
+        timeout=240,
+        trust_env=False,
+    )
+
+
+def test_creates_spread_over_the_nodes(cluster: LocalCluster, pair: list[Sandbox]) -> None:
+    # The nodes are empty and alike: least-loaded placement puts each create on a node
+    # the ones before did not take (a placement's reservation counts at once).
+    assert {owner(cluster, s.sandbox_id) for s in pair} == {"node-0", "node-1", "node-2"}
     wait_for(
         lambda: all(s.sandbox_id in rosters(cluster)[owner(cluster, s.sandbox_id)] for s in pair),
         "the nodes' heartbeats to report their sandboxes",
@@ -136,7 +147,7 @@ def test_listing_pages_across_both_nodes(
         assert {d["sandboxID"] for d in api.get("/sandboxes").json()} == set(seen)
     # agentenv's own client (what `aenv` is built on) through the gateway too.
     with AgentEnv(cluster.gateway_url, cluster.api_key) as client:
-        assert client.health().sandboxes == 2
+        assert client.health().sandboxes == len(pair)
         assert {s.sandbox_id for s in client.list_sandboxes()} == set(seen)
 
 
@@ -164,6 +175,105 @@ def test_fork_children_are_bound_to_the_parents_node(
             assert ran.status_code == 200, ran.text
         finally:
             assert api.delete(f"/sandboxes/{child}").status_code == 204
+
+
+def test_a_pty_through_the_gateway(pair: list[Sandbox]) -> None:
+    sbx = pair[-1]
+    pty = sbx.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    sbx.pty.send_stdin(pty.pid, b"stty size; echo pty-$((6*7)); exit 0\n")
+    output = bytearray()
+    assert pty.wait(on_pty=output.extend).exit_code == 0
+    assert b"24 80" in output and b"pty-42" in output
+
+
+def test_nodes_and_metrics_through_the_gateway(cluster: LocalCluster, pair: list[Sandbox]) -> None:
+    with gateway(cluster) as api:
+        listed = api.get("/nodes").json()
+        assert sorted(n["id"] for n in listed) == ["node-0", "node-1", "node-2"]
+        assert all(n["status"] == "ready" for n in listed)
+        first = owner(cluster, pair[0].sandbox_id)
+        detail = api.get(f"/nodes/{first}").json()
+        assert pair[0].sandbox_id in detail["sandboxes"] and "base" in detail["cachedBuilds"]
+        assert "aenv_gateway_upstream_seconds_count" in api.get("/metrics").text
+    with node_api(cluster, first) as node:
+        assert 'aenv_sandboxes{state="running"}' in node.get("/metrics").text
+
+
+def test_pause_then_connect_at_once_through_the_gateway(
+    cluster: LocalCluster, opts: dict[str, Any]
+) -> None:
+    sbx = Sandbox.create(timeout=600, **opts)
+    node = owner(cluster, sbx.sandbox_id)
+    sbx.files.write("/home/user/mark", "before the pause")
+    sbx.beta_pause()
+    again = Sandbox.connect(sbx.sandbox_id, **opts)  # its node is alive: it resumes there
+    assert owner(cluster, sbx.sandbox_id) == node
+    assert again.files.read("/home/user/mark") == "before the pause"
+    again.kill()
+
+
+def test_a_node_asked_right_after_another_paused_waits_for_the_commit(
+    cluster: LocalCluster, opts: dict[str, Any]
+) -> None:
+    """Straight to the nodes, no gateway: paused on one, connected at once on another,
+    which waits for the commit (it used to answer 404 until the commit landed)."""
+    sbx = Sandbox.create(timeout=600, **opts)
+    sbx.files.write("/home/user/mark", "moved")
+    node = owner(cluster, sbx.sandbox_id)
+    other = next(name for name in ("node-0", "node-1", "node-2") if name != node)
+    with node_api(cluster, node) as paused_on, node_api(cluster, other) as taker:
+        assert paused_on.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+        assert paused_on.get(f"/sandboxes/{sbx.sandbox_id}").json()["pauseCommitted"] is False
+        connected = taker.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 600})
+        assert connected.status_code == 201, connected.text
+        # The node it left drops its copy at its next handoff check (5 s); until then
+        # both rosters hold it, and the binding settles once only the taker's does.
+        wait_for(
+            lambda: (
+                paused_on.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
+                and owner(cluster, sbx.sandbox_id) == other
+            ),
+            "the node it left to drop it and the binding to follow",
+        )
+        moved = Sandbox.connect(sbx.sandbox_id, **opts)
+        assert moved.files.read("/home/user/mark") == "moved"
+        assert taker.delete(f"/sandboxes/{sbx.sandbox_id}").status_code == 204
+
+
+def test_a_gateway_restart_loses_nothing(
+    cluster: LocalCluster, pair: list[Sandbox], opts: dict[str, Any]
+) -> None:
+    before = sorted(info.sandbox_id for info in Sandbox.list(**opts).next_items())
+    cluster.restart("gateway")
+    assert sorted(info.sandbox_id for info in Sandbox.list(**opts).next_items()) == before
+    for sbx in pair:
+        assert sbx.commands.run("echo after the restart").stdout == "after the restart\n"
+
+
+def test_a_scheduler_without_redis_rebuilds_bindings_from_heartbeats(
+    cluster: LocalCluster, pair: list[Sandbox]
+) -> None:
+    before = {s.sandbox_id: owner(cluster, s.sandbox_id) for s in pair}
+    proc = cluster.procs["scheduler"]
+    with_redis = proc.argv
+    at = with_redis.index("--redis")
+    proc.argv = with_redis[:at] + with_redis[at + 2 :]  # bindings in memory: lost on restart
+    try:
+        cluster.restart("scheduler")
+
+        def rebuilt() -> bool:
+            with scheduler(cluster) as sched:
+                answers = [sched.get(f"/bindings/{sandbox_id}") for sandbox_id in before]
+            if any(a.status_code != 200 for a in answers):
+                return False
+            return [a.json()["nodeID"] for a in answers] == list(before.values())
+
+        wait_for(rebuilt, "the heartbeats to rebuild every binding")
+        for sbx in pair:
+            assert sbx.commands.run("echo rebuilt").stdout == "rebuilt\n"
+    finally:
+        proc.argv = with_redis
+        cluster.restart("scheduler")
 
 
 def test_a_scheduler_restart_with_redis_loses_no_binding(

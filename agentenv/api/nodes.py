@@ -8,10 +8,10 @@ its heartbeats, see ``agentenv.cluster.heartbeat``) and ``/nodes/{id}`` asks tha
 
 What agentenv fills in its own way: ``status`` is ``ready``, or ``unhealthy`` while the
 node reports a problem (and, through the gateway, while it is down); ``clusterID`` is
-``AENV_CLUSTER_ID`` (``default``); ``cpuPercent`` is the one-minute load average over the
-CPU count; ``commit`` is empty (no build commit is recorded). ``NodeDetail`` adds
-``sandboxes`` (ids of those callers see) and ``cachedBuilds`` (ready templates), as
-E2B's detail once did.
+the ``cluster_id`` setting (``AENV_CLUSTER_ID``, ``default``); ``cpuPercent`` is the
+one-minute load average over the CPU count; ``commit`` is empty (no build commit is
+recorded). ``NodeDetail`` adds ``sandboxes`` (ids of those callers see) and
+``cachedBuilds`` (ready templates), as E2B's detail once did.
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ class NodeBook:
     """What ``/nodes`` tells of this node: its status as E2B shapes it, the creates it
     counted, and when its status last changed."""
 
-    def __init__(self, orchestrator: Orchestrator, cluster_id: str | None = None) -> None:
+    def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
-        self.cluster_id = cluster_id or os.environ.get("AENV_CLUSTER_ID") or "default"
+        self.cluster_id = orchestrator.config.cluster_id
         # This process: E2B's service instance is one run of the node's service.
         self.instance_id = str(uuid.uuid4())
         self.machine = machine_info()
