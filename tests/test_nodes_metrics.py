@@ -1,5 +1,6 @@
 """``GET /nodes``, ``GET /nodes/{id}`` (E2B's Node and NodeDetail) and ``/metrics`` on
-a node, against an orchestrator with fake VMs."""
+a node, against an orchestrator with fake VMs, and the node's description travelling in
+its heartbeat to the gateway's ``/nodes``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.api.app import create_app
+from agentenv.api.nodes import NodeBook
+from agentenv.cluster.bindings import MemoryBindings
+from agentenv.cluster.gateway import Gateway
+from agentenv.cluster.heartbeat import node_report
+from agentenv.cluster.placement import LeastLoaded
+from agentenv.cluster.registry import NodeRegistry
+from agentenv.cluster.scheduler import create_scheduler_app
+from agentenv.cluster.scheduler_client import SchedulerClient
 from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
 pytestmark = pytest.mark.skipif(
@@ -97,3 +106,26 @@ async def test_metrics_need_the_key_and_count_what_the_node_did(api: httpx.Async
         ),
     )
     assert got[route] == 1
+
+
+async def test_a_heartbeat_carries_the_node_as_the_gateway_lists_it(node: Node) -> None:
+    """A real node's report (its E2B description with datetimes) over HTTP to a
+    scheduler, and the gateway's /nodes listing it."""
+    registry = NodeRegistry(MemoryBindings(), LeastLoaded(overcommit=4.0))
+    scheduler_app = create_scheduler_app(registry, API_KEY)
+    transport = httpx.ASGITransport(app=scheduler_app)
+    scheduler = SchedulerClient("http://scheduler.test", API_KEY, transport=transport)
+    book = NodeBook(node.orchestrator)
+    info = await scheduler.heartbeat(node_report(node.orchestrator, node.config, book.node))
+    assert info.report.e2b_node is not None and info.report.e2b_node.id == "node-a"
+    gateway_scheduler = SchedulerClient("http://scheduler.test", API_KEY, transport=transport)
+    gateway = Gateway(gateway_scheduler, API_KEY, None)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway), base_url="http://gw.test"
+    ) as client:
+        listed = (await client.get("/nodes", headers={"X-API-Key": API_KEY})).json()
+    await gateway.aclose()
+    await scheduler.aclose()
+    assert [(n["id"], n["status"], n["serviceInstanceID"]) for n in listed] == [
+        ("node-a", "ready", book.instance_id)
+    ]

@@ -70,7 +70,8 @@ class SchedulerClient:
         return response.json() if response.content else None
 
     async def heartbeat(self, report: NodeReport) -> NodeInfo:
-        data = await self._call("POST", "/heartbeats", json=report.model_dump(by_alias=True))
+        wire = report.model_dump(mode="json", by_alias=True)
+        data = await self._call("POST", "/heartbeats", json=wire)
         return NodeInfo.model_validate(data)
 
     async def leave(self, node_id: str) -> None:
