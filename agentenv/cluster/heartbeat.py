@@ -99,6 +99,12 @@ class Heartbeat:
                 if not failing:
                     log.warning("heartbeat failed (retrying every %ss): %s", self.interval, exc)
                 failing = True
+            except Exception:
+                # A bug here must not end heartbeats for good (the node would go down
+                # in the scheduler while it serves): logged, and tried again.
+                if not failing:
+                    log.exception("heartbeat failed (retrying every %ss)", self.interval)
+                failing = True
             else:
                 if failing:
                     log.info("heartbeats reach the scheduler again")
