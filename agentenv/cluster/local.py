@@ -106,6 +106,8 @@ class LocalCluster:
     redis_port: int = field(default_factory=free_port)
     heartbeat_interval: float = 1.0
     node_timeout: float = 5.0
+    # The scheduler's --overcommit (how far allocations may exceed a node's CPUs/memory).
+    overcommit: float = 4.0
     # Extra AENV_* settings for every node (e.g. a short network linger in tests).
     node_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -178,6 +180,8 @@ class LocalCluster:
                 self.redis_url,
                 "--node-timeout",
                 str(self.node_timeout),
+                "--overcommit",
+                str(self.overcommit),
             ],
             base,
             str(logs / "scheduler.log"),

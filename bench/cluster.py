@@ -1,0 +1,257 @@
+"""The gateway against talking to a node directly, in the same run, on a local 3-node
+cluster (``scripts/cluster up``'s: Redis, scheduler, gateway, nodes sharing a ``file://``
+repository):
+
+  envd_health           GET /health of envd (E2b-Sandbox-Id routing), one sandbox
+  envd_run_true         a Connect Process/Start of ``true`` (what commands.run sends)
+  create                POST /v2/sandboxes (killed after, untimed)
+  read_1mib             GET /files of a 1 MiB file; also as MiB/s, gateway over direct
+  gateway_rps           envd /health requests per second through the gateway, pinned to
+                        one core, from 32 concurrent clients for ``--rps-seconds``
+                        (the node's proxy measured the same way, for scale)
+  spread                where 60 creates through the gateway land (waves of 15, three
+                        in flight, each wave killed before the next)
+
+Each "gateway" figure has its "direct" twin (same sandbox, same node), measured
+interleaved so that a noisy machine weighs on both alike. Targets (issue 15): added p50
+latency at most 1 ms on envd requests, 1 MiB reads at 80 % of direct or better.
+
+Usage (as root):  .venv/bin/python bench/cluster.py [--runs 200] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from agentenv.cluster.local import LocalCluster
+from bench.lifecycle import print_table, summarize
+from tests.helpers import envelope
+
+MIB = 1024 * 1024
+NODES = 3
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def node_url(cluster: LocalCluster, name: str) -> str:
+    return f"http://{cluster.procs[name].env['AENV_LISTEN']}"
+
+
+def client(url: str, key: str, **headers: str) -> httpx.Client:
+    return httpx.Client(
+        base_url=url, headers={"X-API-Key": key, **headers}, timeout=300, trust_env=False
+    )
+
+
+def owner(cluster: LocalCluster, sandbox_id: str) -> str:
+    with client(cluster.scheduler_url, cluster.api_key) as sched:
+        return str(sched.get(f"/bindings/{sandbox_id}").json()["nodeID"])
+
+
+def create(api: httpx.Client) -> dict[str, Any]:
+    answer = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 900})
+    if answer.status_code != 201:
+        raise RuntimeError(f"create: {answer.status_code} {answer.text}")
+    body: dict[str, Any] = answer.json()
+    return body
+
+
+def timed_pairs(runs: int, gateway_call: Any, direct_call: Any) -> tuple[list[float], list[float]]:
+    via, direct = [], []
+    for _ in range(runs):
+        for call, out in ((gateway_call, via), (direct_call, direct)):
+            t0 = time.perf_counter()
+            call()
+            out.append(time.perf_counter() - t0)
+    return via, direct
+
+
+def run_true(api: httpx.Client) -> None:
+    answer = api.post(
+        "/process.Process/Start",
+        content=envelope({"process": {"cmd": "/bin/true"}, "stdin": False}),
+        headers={"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"},
+    )
+    answer.raise_for_status()
+
+
+async def rps(url: str, headers: dict[str, str], seconds: float, clients: int = 32) -> float:
+    done = 0
+    deadline = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, trust_env=False, limits=limits, timeout=30
+    ) as http:
+
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                answer = await http.get("/health")
+                if answer.status_code < 300:
+                    done += 1
+
+        started = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return done / (time.monotonic() - started)
+
+
+def spread(cluster: LocalCluster, total: int = 60, wave: int = 15) -> dict[str, int]:
+    where: Counter[str] = Counter()
+    with client(cluster.gateway_url, cluster.api_key) as api:
+        for _ in range(total // wave):
+            with ThreadPoolExecutor(3) as pool:
+                made = list(pool.map(lambda _: create(api)["sandboxID"], range(wave)))
+            for sandbox_id in made:
+                where[owner(cluster, sandbox_id)] += 1
+            for sandbox_id in made:
+                api.delete(f"/sandboxes/{sandbox_id}")
+    return dict(sorted(where.items()))
+
+
+def bench(cluster: LocalCluster, runs: int, rps_seconds: float) -> dict[str, Any]:
+    key = cluster.api_key
+    raw: dict[str, list[float]] = {}
+    with client(cluster.gateway_url, key) as api:
+        create(api)  # warm-up: first restores read the RAM image from disk
+        sbx = create(api)
+    sandbox_id, token = sbx["sandboxID"], sbx["envdAccessToken"]
+    home = owner(cluster, sandbox_id)
+    routing = {"E2b-Sandbox-Id": sandbox_id, "X-Access-Token": token}
+    via = client(cluster.gateway_url, key, **routing)
+    direct = client(node_url(cluster, home), key, **routing)
+    try:
+        raw["gateway_envd_health"], raw["direct_envd_health"] = timed_pairs(
+            runs,
+            lambda: via.get("/health").raise_for_status(),
+            lambda: direct.get("/health").raise_for_status(),
+        )
+        raw["gateway_envd_run_true"], raw["direct_envd_run_true"] = timed_pairs(
+            max(10, runs // 10), lambda: run_true(via), lambda: run_true(direct)
+        )
+        payload = os.urandom(MIB)
+        via.post("/files", params={"path": "/tmp/mib"}, files={"file": ("mib", payload)})
+
+        def read(http: httpx.Client) -> None:
+            back = http.get("/files", params={"path": "/tmp/mib"})
+            if back.content != payload:
+                raise RuntimeError("1 MiB read returned other bytes")
+
+        raw["gateway_read_1mib"], raw["direct_read_1mib"] = timed_pairs(
+            max(10, runs // 10), lambda: read(via), lambda: read(direct)
+        )
+        # The gateway on one core (the load generator on the other).
+        gateway_pid = cluster.procs["gateway"].pid
+        assert gateway_pid is not None
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(gateway_pid, {cpus[0]})
+        os.sched_setaffinity(0, set(cpus[1:]) or {cpus[0]})
+        try:
+            gateway_rps = asyncio.run(rps(cluster.gateway_url, dict(routing), rps_seconds))
+            direct_rps = asyncio.run(rps(node_url(cluster, home), dict(routing), rps_seconds))
+        finally:
+            os.sched_setaffinity(gateway_pid, set(cpus))
+            os.sched_setaffinity(0, set(cpus))
+    finally:
+        via.close()
+        direct.close()
+    with client(cluster.gateway_url, key) as api, client(node_url(cluster, home), key) as node:
+        api.delete(f"/sandboxes/{sandbox_id}")
+
+        made: list[str] = []
+
+        def create_on(http: httpx.Client) -> Any:
+            return lambda: made.append(create(http)["sandboxID"])
+
+        raw["gateway_create"], raw["direct_create"] = timed_pairs(
+            max(5, runs // 20), create_on(api), create_on(node)
+        )
+        for sandbox in made:
+            api.delete(f"/sandboxes/{sandbox}")
+    landed = spread(cluster)
+    return {"raw": raw, "gateway_rps": gateway_rps, "direct_rps": direct_rps, "spread": landed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--rps-seconds", type=float, default=10.0)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/cluster.json"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/cluster.py must run as root")
+    root = Path(tempfile.mkdtemp(prefix="aenv-bench-cluster-", dir="/var/tmp"))
+    # Room for a wave of 15 sandboxes of 2 vCPUs on three 2-core nodes.
+    quiet = {"AENV_METRICS_INTERVAL": "0"}
+    cluster = LocalCluster(root, nodes=NODES, overcommit=8.0, node_env=quiet)
+    try:
+        cluster.up()
+        result = bench(cluster, args.runs, args.rps_seconds)
+    finally:
+        cluster.down()
+        shutil.rmtree(root, ignore_errors=True)
+    raw = result["raw"]
+    summary = {name: summarize(values) for name, values in raw.items()}
+    for name, values in raw.items():
+        summary[name]["p99_ms"] = percentile(values, 0.99) * 1000
+    pairs = ("envd_health", "envd_run_true", "read_1mib", "create")
+    print_table(summary, {f"gateway_{op}": f"direct_{op}" for op in pairs})
+    added = {
+        op: {
+            "p50_ms": summary[f"gateway_{op}"]["p50_ms"] - summary[f"direct_{op}"]["p50_ms"],
+            "p99_ms": summary[f"gateway_{op}"]["p99_ms"] - summary[f"direct_{op}"]["p99_ms"],
+        }
+        for op in pairs
+    }
+    read_ratio = summary["direct_read_1mib"]["p50_ms"] / summary["gateway_read_1mib"]["p50_ms"]
+    print()
+    for op, delta in added.items():
+        print(
+            f"added by the gateway, {op:<14} p50 {delta['p50_ms']:+8.2f} ms   "
+            f"p99 {delta['p99_ms']:+8.2f} ms"
+        )
+    print(f"1 MiB read throughput, gateway / direct: {read_ratio:.0%} (target >= 80 %)")
+    print(
+        f"requests/s, envd /health: gateway on one core {result['gateway_rps']:.0f}, "
+        f"node proxy {result['direct_rps']:.0f}"
+    )
+    print(f"60 creates through the gateway landed: {result['spread']}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "nodes": NODES,
+                "summary": summary,
+                "added_ms": added,
+                "read_1mib_throughput_ratio": read_ratio,
+                "gateway_rps_one_core": result["gateway_rps"],
+                "node_proxy_rps": result["direct_rps"],
+                "spread_of_60_creates": result["spread"],
+                "raw_seconds": raw,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwritten {args.json}")
+
+
+if __name__ == "__main__":
+    main()
