@@ -266,6 +266,14 @@ class Lifecycle:
         directory = SandboxDir(rec.workdir)
         dest = directory.paused
         self.store.transition(sandbox_id, S.RUNNING, S.PAUSING)
+        # Announced while the machine is saved, and before the pause answers, so a
+        # connect on another node right after it waits for the commit, not a 404.
+        generation = self.sync.next_generation(rec)
+        announcing = (
+            asyncio.ensure_future(self.sync.announce_pause(sandbox_id, generation))
+            if generation is not None
+            else None
+        )
         try:
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir()
@@ -276,6 +284,9 @@ class Lifecycle:
             shutil.rmtree(dest, ignore_errors=True)
             with contextlib.suppress(VMMError):
                 await vm.resume()
+            if announcing is not None:
+                await announcing
+                await self.sync.drop_announcement(sandbox_id)
             self.store.transition(sandbox_id, S.PAUSING, S.RUNNING)
             raise OperationFailed(f"pausing sandbox {sandbox_id} failed: {exc}") from exc
         phases.mark("save")
@@ -291,11 +302,10 @@ class Lifecycle:
         self.leases.release_later(rec)
         self.store.transition(sandbox_id, S.PAUSING, S.PAUSED, pause_mode="full")
         rec.state = S.PAUSED
-        if directory.upload_state() is not None:
-            # Announced before the pause answers, so a connect on another node right
-            # after it waits for the commit rather than answering 404.
-            await self.sync.announce_pause(rec)
+        if announcing is not None:
+            await announcing
             phases.mark("announce")
+        if directory.upload_state() is not None:
             self.sync.start_upload(sandbox_id)
         log.info("sandbox %s paused in %s", sandbox_id, phases)
         return self.view(rec)

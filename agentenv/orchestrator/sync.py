@@ -282,35 +282,43 @@ class RepositorySync:
         directory.set_generation(generation)
         directory.set_upload_state(UploadState("uploading", generation))
 
-    async def announce_pause(self, rec: SandboxRecord) -> None:
-        """Tell the repository this node paused ``rec`` and its commit is on its way, so
-        another node asked to connect it waits for the commit (:meth:`adopt`). Before
-        the pause answers; a repository that cannot be reached is logged, and the pause
-        stands (that node then answers 404 until the commit lands, as before)."""
-        upload = SandboxDir(rec.workdir).upload_state()
-        if upload is None or upload.committed:
-            return
+    def next_generation(self, rec: SandboxRecord) -> int | None:
+        """The generation a pause of ``rec`` starting now will commit; None when this
+        node publishes no paused state (nothing to announce)."""
+        if not self.publishes_paused_state or rec.disk_path is None:
+            return None
+        return SandboxDir(rec.workdir).generation() + 1
+
+    async def announce_pause(self, sandbox_id: str, generation: int) -> None:
+        """Tell the repository this node is pausing ``sandbox_id`` and will commit
+        ``generation`` of it, so another node asked to connect it waits for that commit
+        (:func:`committed_pause`). Written while the pause saves the machine, awaited
+        before it answers; a repository that cannot be reached is logged, and the pause
+        stands (another node then answers 404 until the commit lands, as before)."""
         pending = PendingPause(
-            sandbox_id=rec.sandbox_id,
-            generation=upload.generation,
+            sandbox_id=sandbox_id,
+            generation=generation,
             node=self.catalog.node,
             paused_at=utcnow(),
         )
         try:
             await self.catalog.put_pending(pending)
         except RepositoryUnavailable as exc:
-            log.warning("sandbox %s: announcing its pause failed: %s", rec.sandbox_id, exc)
+            log.warning("sandbox %s: announcing its pause failed: %s", sandbox_id, exc)
+
+    async def drop_announcement(self, sandbox_id: str) -> None:
+        """Other nodes stop waiting for a commit of ``sandbox_id``: the pause failed, or
+        it was resumed or killed here before its commit."""
+        try:
+            await self.catalog.drop_pending(sandbox_id)
+        except RepositoryUnavailable as exc:
+            log.warning("sandbox %s: withdrawing its pause failed: %s", sandbox_id, exc)
 
     async def withdraw_pause(self, rec: SandboxRecord) -> None:
-        """The pause announced for ``rec`` will not be committed (resumed or killed here
-        first): other nodes stop waiting for it."""
+        """The pause announced for ``rec`` will not be committed (resumed here first)."""
         upload = SandboxDir(rec.workdir).upload_state()
-        if upload is None or upload.committed:
-            return
-        try:
-            await self.catalog.drop_pending(rec.sandbox_id)
-        except RepositoryUnavailable as exc:
-            log.warning("sandbox %s: withdrawing its pause failed: %s", rec.sandbox_id, exc)
+        if upload is not None and not upload.committed:
+            await self.drop_announcement(rec.sandbox_id)
 
     def start_upload(self, sandbox_id: str) -> None:
         self.supervisor.start_job(_UPLOAD, sandbox_id, lambda: self._upload_until_done(sandbox_id))
