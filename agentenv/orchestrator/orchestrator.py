@@ -120,10 +120,12 @@ class Orchestrator:
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
         self._free_space = FreeSpaceFloor(config)
-        self._metrics = MetricsHistory(self.store, self.http)
         self._operations = SandboxOperations()
         self._supervisor = Supervisor()
         self._machines = Machines(driver, self.network, self.store, accel)
+        self._metrics = MetricsHistory(
+            self.store, self.http, self._machines.current, config.metrics_interval
+        )
         self._slots = Slots(self.store, self.network)
         self._leases = NetworkLeases(
             self.network, self.store, self._operations, config.network_linger

@@ -22,6 +22,7 @@ from qemu.qmp import ExecuteError, QMPError
 
 from agentenv.vmm.base import (
     DriveSpec,
+    GuestMemory,
     MachineSpec,
     SnapshotFiles,
     SnapshotIncompatible,
@@ -168,6 +169,8 @@ class QemuVM(VirtualMachine):
         self.spec = spec
         #: The ``-M`` options this QEMU runs with; its snapshots need the same.
         self.machine = machine
+        self._balloon_path: str | None = None
+        self._stats_every_s: int | None = None
         self.workdir = workdir
         self._process = process
         self._qmp = qmp
@@ -367,6 +370,48 @@ class QemuVM(VirtualMachine):
         return VMStats(
             pid=pid, state=self.state, rss_bytes=rss, pss_bytes=pss, cpu_seconds=cpu_seconds
         )
+
+    async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
+        if self._balloon_path is None:
+            self._balloon_path = await self._find_balloon()
+            if self._balloon_path is None:
+                return None
+        every = max(1, round(report_every_s))
+        if self._stats_every_s != every:
+            # Not part of the migrated state: every process (a restore is a new one) is
+            # asked once.
+            await self.execute(
+                "qom-set",
+                {
+                    "path": self._balloon_path,
+                    "property": "guest-stats-polling-interval",
+                    "value": every,
+                },
+            )
+            self._stats_every_s = every
+        reply = await self.execute(
+            "qom-get", {"path": self._balloon_path, "property": "guest-stats"}
+        )
+        stats = reply.get("stats", {}) if isinstance(reply, dict) else {}
+        if not reply.get("last-update"):
+            return None  # the guest has not reported yet
+        total = int(stats.get("stat-total-memory", -1))
+        available = int(stats.get("stat-available-memory", -1))
+        if total <= 0 or available < 0:
+            return None  # a guest driver too old to report MemAvailable
+        return GuestMemory(
+            total_bytes=total,
+            available_bytes=available,
+            cached_bytes=max(0, int(stats.get("stat-disk-caches", 0))),
+        )
+
+    async def _find_balloon(self) -> str | None:
+        """The QOM path of the balloon device (added without an id: build_argv)."""
+        parent = "/machine/peripheral-anon"
+        for child in await self.execute("qom-list", {"path": parent}):
+            if child.get("type") == "child<virtio-balloon-device>":
+                return f"{parent}/{child['name']}"
+        return None
 
     async def wait_exit(self) -> VMMExit:
         returncode = await self._process.exited()
