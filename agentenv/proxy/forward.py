@@ -59,7 +59,12 @@ from agentenv.proxy.endings import (
     is_connect_stream,
 )
 from agentenv.proxy.paths import PathRefused, RequestPath
-from agentenv.proxy.signed import FilesNotRouted, signed_files_sandbox
+from agentenv.proxy.signed import (
+    SIGNER_PATH,
+    FilesNotRouted,
+    signed_files_sandbox,
+    signer_response,
+)
 
 log = logging.getLogger("agentenv.proxy")
 
@@ -544,6 +549,10 @@ class SandboxTrafficMiddleware:
                 return
             target = target_of(Headers(scope=scope), self.proxy.domain)
             if target is None and scope["type"] == "http":
+                if scope["path"] == SIGNER_PATH and scope["method"] == "GET":
+                    answer = signer_response(scope, self.proxy.sandbox_tokens)
+                    await answer(scope, receive, send)
+                    return
                 try:
                     signer = signed_files_sandbox(scope, self.proxy.sandbox_tokens)
                 except FilesNotRouted as exc:

@@ -8,13 +8,16 @@ sandbox. The signature does identify one, though: it is a hash over the sandbox'
 token (``agentenv.envd.signatures``). The proxy finds the sandbox whose token produced it
 and forwards the request there, where envd checks the signature again; a URL whose
 signature no sandbox's token produced is refused here (401, as envd would), and so is an
-expired one, before a paused sandbox would be woken for it.
+expired one, before a paused sandbox would be woken for it. A cluster gateway asks each
+node which of them holds the signer (:data:`SIGNER_PATH`) and relays the URL there.
 """
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable, Iterable
 
+from starlette.responses import JSONResponse, Response
 from starlette.types import Scope
 
 from agentenv.envd.signatures import (
@@ -26,6 +29,12 @@ from agentenv.envd.signatures import (
 from agentenv.proxy.paths import PathRefused, RequestPath
 
 FILES_PATH = "/files"
+#: Where a cluster gateway, which holds no tokens, asks a node whether one of its
+#: sandboxes signed a ``/files`` URL: GET with the URL's query and ``method`` (the
+#: method the URL is used with). Unauthenticated like the URL itself: it names the
+#: sandbox only to whoever holds a valid signature for it.
+SIGNER_PATH = "/signed-files/signer"
+SIGNER_METHOD_PARAM = "method"
 
 
 class FilesNotRouted(Exception):
@@ -45,9 +54,37 @@ def signed_files_sandbox(
     for an unsigned ``/files`` request, 401 for an expired URL or one no token signed."""
     if not is_files_request(scope.get("raw_path") or scope["path"].encode()):
         return None
-    signed = SignedFileRequest.of(
-        query_params(scope.get("query_string", b"")), operation_of(scope["method"])
-    )
+    params = query_params(scope.get("query_string", b""))
+    return _signer(params, scope["method"], sandbox_tokens)
+
+
+def signer_response(
+    scope: Scope, sandbox_tokens: Callable[[], Iterable[tuple[str, str | None]]]
+) -> Response:
+    """The answer to a :data:`SIGNER_PATH` request: 200 ``{"sandboxID": ...}``, or the
+    400 or 401 the URL itself would get here."""
+    params = query_params(scope.get("query_string", b""))
+    try:
+        sandbox_id = _signer(params, params.get(SIGNER_METHOD_PARAM, "GET"), sandbox_tokens)
+    except FilesNotRouted as exc:
+        return JSONResponse({"code": exc.status, "message": str(exc)}, status_code=exc.status)
+    return JSONResponse({"sandboxID": sandbox_id})
+
+
+def signer_query(query_string: bytes, method: str) -> bytes:
+    """The :data:`SIGNER_PATH` query asking about a ``/files`` URL with this query, used
+    with ``method``."""
+    probe = urllib.parse.urlencode({SIGNER_METHOD_PARAM: method}).encode()
+    # Last, so it wins over a parameter of the same name in the URL.
+    return query_string + b"&" + probe if query_string else probe
+
+
+def _signer(
+    params: dict[str, str],
+    method: str,
+    sandbox_tokens: Callable[[], Iterable[tuple[str, str | None]]],
+) -> str:
+    signed = SignedFileRequest.of(params, operation_of(method.upper()))
     if signed is None:
         raise FilesNotRouted(
             400,
