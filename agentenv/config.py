@@ -116,6 +116,11 @@ class Config(BaseModel):
     max_timeout: int = Field(default=24 * 3600, gt=0)
     net_subnet: str | None = None
     domain: str | None = None
+    # PEM files of a certificate (with its chain) and its key: with both set the server
+    # speaks only HTTPS, so a wildcard certificate for `domain` and `*.domain` lets the
+    # SDK use E2B_DOMAIN alone (https://api.{domain}, https://{port}-{id}.{domain}).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     log_level: str = "info"
     # Seconds a paused sandbox keeps its network namespace before it is released, so a
     # quick pause/resume cycle does not pay for tearing it down and building it again.
@@ -265,6 +270,12 @@ class Config(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_tls(self) -> Config:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        return self
+
     # -- derived paths -------------------------------------------------------------------
     @property
     def host(self) -> str:
@@ -273,6 +284,16 @@ class Config(BaseModel):
     @property
     def port(self) -> int:
         return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def scheme(self) -> str:
+        """``https`` when the server has a certificate, else ``http``."""
+        return "https" if self.tls_cert is not None else "http"
+
+    @property
+    def url(self) -> str:
+        """Where this server is reached on its listening address."""
+        return f"{self.scheme}://{self.listen}"
 
     @property
     def db_path(self) -> Path:

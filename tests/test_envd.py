@@ -42,7 +42,6 @@ from e2b.sandbox_sync.filesystem.filesystem import Filesystem
 from packaging.version import Version
 from protobuf import Oneof
 
-from agentenv.envd.files import file_signature
 from agentenv.envd.filesystem_service import go_mode_string
 from agentenv.envd.gen.filesystem_connect import FilesystemClient
 from agentenv.envd.gen.filesystem_pb import (
@@ -73,6 +72,7 @@ from agentenv.envd.gen.process_pb import (
 from agentenv.envd.multipart import MultipartParser, PartData, PartEnd, PartStart
 from agentenv.envd.processes import ProcessExit
 from agentenv.envd.server import _listen
+from agentenv.envd.signatures import file_signature
 from agentenv.envd.state import InitError, InitRequest
 
 REPO = Path(__file__).resolve().parents[1]
