@@ -383,8 +383,9 @@ class EgressFilter:
             if not verdict.allowed:
                 log.info("%s: refused %s:%d (name %r)", sandbox.namespace, destination, port, name)
                 return
+            rendered = await self._rendered_rules(sandbox, verdict, name, first)
             upstream_reader, upstream = await self._connect(sandbox, verdict, port)
-            upstream.write(await self._transformed(sandbox, verdict, name, upstream, first))
+            upstream.write(self._transformed(rendered, verdict, name, upstream, first))
             await _relay(reader, writer, upstream_reader, upstream)
         except (OSError, asyncio.IncompleteReadError) as exc:  # timeouts are OSErrors
             log.debug("%s: filtered connection ended: %s", sandbox.namespace, exc)
@@ -395,24 +396,22 @@ class EgressFilter:
                 if stream is not None:
                     stream.close()
 
-    async def _transformed(
-        self,
-        sandbox: _Sandbox,
-        verdict: Verdict,
-        name: str | None,
-        upstream: asyncio.StreamWriter,
-        first: bytes,
-    ) -> bytes:
-        """`first` with the headers of the policy's rules that apply (see the module
-        docstring), or as it is."""
+    async def _rendered_rules(
+        self, sandbox: _Sandbox, verdict: Verdict, name: str | None, first: bytes
+    ) -> list[tuple[HeaderRule, list[tuple[str, str]]]]:
+        """The rules that may apply to this connection, their header values resolved
+        before anything is sent upstream (a network rule is decided only once the
+        address is known: see :meth:`_transformed`)."""
         if not sandbox.policy.header_rules or first[:1] == b"\x16":
-            return first  # no rules, or TLS: relayed untouched
-        peer = upstream.get_extra_info("peername")
-        address = ipaddress.IPv4Address(peer[0]) if peer else None
-        headers: dict[str, tuple[str, str]] = {}
+            return []  # no rules, or TLS: relayed untouched
+        rendered = []
         for rule in sandbox.policy.header_rules:
-            if not _rule_applies(rule, verdict, name, address):
+            if rule.target.network is not None:
+                if verdict.address is not None and verdict.address not in rule.target.network:
+                    continue
+            elif not _rule_applies(rule, verdict, name, None):
                 continue
+            headers = []
             for header, template in rule.headers:
                 try:
                     value = await render_header_value(template, self.secret)
@@ -422,7 +421,28 @@ class EgressFilter:
                     ) from None
                 if any(ch in value for ch in "\r\n\0"):
                     raise TransformRefused(f"header {header!r}: its value has a line break")
-                headers[header.lower()] = (header, value)
+                headers.append((header, value))
+            rendered.append((rule, headers))
+        return rendered
+
+    @staticmethod
+    def _transformed(
+        rendered: list[tuple[HeaderRule, list[tuple[str, str]]]],
+        verdict: Verdict,
+        name: str | None,
+        upstream: asyncio.StreamWriter,
+        first: bytes,
+    ) -> bytes:
+        """`first` with the headers of the `rendered` rules that apply to the address
+        connected to (see the module docstring), or as it is."""
+        if not rendered:
+            return first
+        peer = upstream.get_extra_info("peername")
+        address = ipaddress.IPv4Address(peer[0]) if peer else None
+        headers: dict[str, tuple[str, str]] = {}
+        for rule, values in rendered:
+            if _rule_applies(rule, verdict, name, address):
+                headers.update((header.lower(), (header, value)) for header, value in values)
         if not headers:
             return first
         rewritten = rewrite_request_head(first, list(headers.values()))
