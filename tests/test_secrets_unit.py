@@ -199,6 +199,19 @@ async def test_bad_requests_are_clear(
 
 
 @needs_qemu_img
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"name": "ok", "value": "\\ud800"}',
+        b'{"name": "ok", "value": "v", "metadata": {"k": "\\udfff"}}',
+    ],
+)
+async def test_text_that_is_not_unicode_is_a_400(api: httpx.AsyncClient, body: bytes) -> None:
+    answer = await api.post("/secrets", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "Unicode" in answer.json()["message"], answer.text
+
+
+@needs_qemu_img
 async def test_another_node_resolves_with_the_same_key_only(node: Node, tmp_path: Path) -> None:
     await node.orchestrator.secrets.create("shared", VALUE, {})
     key = (node.config.home / "secrets.key").read_text().strip()

@@ -180,6 +180,10 @@ async def render_header_value(template: str, secret: Callable[[str], Awaitable[s
 def _parse_header_value(value: object, where: str) -> str:
     if not isinstance(value, str) or len(value) > _MAX_HEADER_VALUE:
         raise PolicyError("rules", f"{where}: a string of at most {_MAX_HEADER_VALUE} characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise PolicyError("rules", f"{where}: not valid Unicode text") from None
     if any((ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F for ch in value):
         raise PolicyError("rules", f"{where}: control characters cannot go into a header")
     for match in _PLACEHOLDER.finditer(value):

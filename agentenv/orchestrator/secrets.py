@@ -79,12 +79,19 @@ def check_name(name: str) -> str:
     return canonical
 
 
+def _utf8_length(text: str, what: str) -> int:
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError:  # a lone surrogate, which JSON can carry
+        raise InvalidRequest(f"{what}: not valid Unicode text") from None
+
+
 def check_value(value: str) -> str:
     """`value` if it can be stored and sent as an HTTP header value (where secrets are
     used), else :class:`InvalidRequest` (which never repeats the value)."""
     if not isinstance(value, str) or not value:
         raise InvalidRequest("secret value: must be a non-empty string")
-    if len(value.encode()) > MAX_VALUE_BYTES:
+    if _utf8_length(value, "secret value") > MAX_VALUE_BYTES:
         raise InvalidRequest(f"secret value: at most {MAX_VALUE_BYTES} bytes")
     if any(ch in value for ch in "\r\n\0"):
         raise InvalidRequest("secret value: line breaks and NUL cannot go into a header value")
@@ -96,11 +103,13 @@ def check_metadata(metadata: dict[str, str]) -> dict[str, str]:
         raise InvalidRequest(f"metadata: at most {MAX_METADATA_ENTRIES} entries")
     total = 0
     for key, value in metadata.items():
-        if not key or len(key.encode()) > MAX_METADATA_KEY_BYTES:
+        key_bytes = _utf8_length(key, "metadata key")
+        value_bytes = _utf8_length(value, "metadata value")
+        if not key or key_bytes > MAX_METADATA_KEY_BYTES:
             raise InvalidRequest(f"metadata key {key[:40]!r}: 1 to 128 bytes")
-        if len(value.encode()) > MAX_METADATA_VALUE_BYTES:
+        if value_bytes > MAX_METADATA_VALUE_BYTES:
             raise InvalidRequest(f"metadata value of {key!r}: at most 1024 bytes")
-        total += len(key.encode()) + len(value.encode())
+        total += key_bytes + value_bytes
     if total > MAX_METADATA_BYTES:
         raise InvalidRequest(f"metadata: at most {MAX_METADATA_BYTES} bytes in all")
     return dict(metadata)
