@@ -175,7 +175,7 @@ class Config(BaseModel):
     # The AES-256-GCM key secrets (the E2B secrets API) are encrypted with in the
     # repository (hex, 64 digits); it is never written there. Nodes sharing a repository
     # must have the same one. Default: secrets.key in the data directory, made at first
-    # use (mode 0600).
+    # start (mode 0600).
     secrets_key: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-fA-F]{64}$")
     # Free space the data directory's filesystem must keep: creates, forks and snapshots
     # are refused (507) below it. A size (512M, 20G) or a percentage of the filesystem

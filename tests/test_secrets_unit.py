@@ -138,7 +138,9 @@ async def test_secrets_api(api: httpx.AsyncClient, node: Node, tmp_path: Path) -
             break
     assert names == ["b", "c", "d", "openai-key"]
 
-    # The repository holds no value in the clear, and no key.
+    # The key was made at start, private; the repository holds no value in the clear,
+    # and no key.
+    assert stat.S_IMODE(os.stat(node.config.home / "secrets.key").st_mode) == 0o600
     repository = tmp_path / "repository"
     stored = b"".join(p.read_bytes() for p in repository.rglob("*") if p.is_file())
     assert b"secret:openai-key" in stored or b"secret%3Aopenai-key" in b"".join(

@@ -233,6 +233,7 @@ class Orchestrator:
             self.config.snapshots_dir,
         ):
             d.mkdir(parents=True, exist_ok=True)
+        self.secrets.load_key()  # made now if there is none, so a bad key shows at start
         reflinks = self._resharing.enabled = supports_reflink(self.config.sandboxes_dir)
         wanted = self.config.sandbox_memory
         own = self._lifecycle.own_memory_files = self.driver.shared_memory_boot and (

@@ -7,9 +7,10 @@ A secret is one record in the repository (``catalog/secret/<id>``, through
 current value encrypted with AES-256-GCM; the associated data binds the ciphertext to the
 secret's id and version, so a value cannot be moved onto another secret or version. The
 key is ``Config.secrets_key`` if set, else the file :data:`KEY_FILE` in the data directory,
-made (mode 0600) on first use; it never enters the repository. Nodes sharing a repository
-must have the same key to resolve each other's secrets; ``key_id`` (a digest of the key)
-in each record tells a node with another key to say so rather than fail to decrypt.
+made (mode 0600) at the server's first start; it never enters the repository. Nodes
+sharing a repository must have the same key to resolve each other's secrets; ``key_id`` (a
+digest of the key) in each record tells a node with another key to say so rather than
+fail to decrypt.
 
 Names are unique across nodes: a create claims the repository name ``secret:<name>``
 with a create-only write before it writes the record.
@@ -183,6 +184,10 @@ class Secrets:
         self._catalog = catalog
         self._cipher: SecretCipher | None = None
         self._lock = asyncio.Lock()  # one change at a time on this node
+
+    def load_key(self) -> None:
+        """Read the key (making the key file, mode 0600, if there is none)."""
+        _ = self.cipher
 
     @property
     def cipher(self) -> SecretCipher:
