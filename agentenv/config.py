@@ -56,7 +56,9 @@ NOT_SETTINGS = frozenset(
 )
 
 # Values never repeated in an error message.
-_SECRET_KEYS = frozenset({"api_key", "s3.secret_access_key", "s3.session_token", "envd_token_key"})
+_SECRET_KEYS = frozenset(
+    {"api_key", "s3.secret_access_key", "s3.session_token", "envd_token_key", "secrets_key"}
+)
 
 
 class ConfigError(ValueError):
@@ -175,6 +177,11 @@ class Config(BaseModel):
     # are never stored (orchestrator/tokens.py). Nodes sharing a repository must have the
     # same one. Default: envd_token.key in the data directory, made at first start.
     envd_token_key: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-fA-F]{32,}$")
+    # The AES-256-GCM key secrets (the E2B secrets API) are encrypted with in the
+    # repository (hex, 64 digits); it is never written there. Nodes sharing a repository
+    # must have the same one. Default: secrets.key in the data directory, made at first
+    # start (mode 0600).
+    secrets_key: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-fA-F]{64}$")
     # Free space the data directory's filesystem must keep: creates, forks and snapshots
     # are refused (507) below it. A size (512M, 20G) or a percentage of the filesystem
     # (5%); None: no floor.
@@ -345,6 +352,10 @@ class Config(BaseModel):
     @property
     def envd_token_key_path(self) -> Path:
         return self.home / "envd_token.key"
+
+    @property
+    def secrets_key_path(self) -> Path:
+        return self.home / "secrets.key"
 
     def free_space_floor_of(self, filesystem_bytes: int) -> int:
         """Bytes the data directory's filesystem (of ``filesystem_bytes``) must keep free."""

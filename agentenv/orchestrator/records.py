@@ -97,3 +97,21 @@ class PausedEntry(_Record):
     # The sandbox's envd token's digest (tokens.token_digest): the node resuming it
     # derives the token with its key and checks it against this.
     envd_token_sha256: str | None = None
+
+
+class SecretEntry(_Record):
+    """A secret of the E2B secrets API (``catalog/secret/<id>``; its name is the
+    repository name ``secret:<name>``). Only the current version's value is kept, and
+    only encrypted (``orchestrator/secrets.py``): AES-256-GCM under the nodes' secrets
+    key, which never enters the repository; ``key_id`` tells which key it was."""
+
+    id: str
+    name: str
+    current_version: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime
+    updated_at: datetime
+    node: str = ""
+    key_id: str
+    nonce: str  # base64
+    ciphertext: str  # base64, the GCM tag included
