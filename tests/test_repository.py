@@ -20,7 +20,6 @@ from agentenv.config import Config
 from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import CommitPending
 from agentenv.orchestrator.records import PausedEntry, PendingPause
-from agentenv.orchestrator.sync import committed_pause
 from agentenv.snapshots import blobs
 from agentenv.snapshots.leases import (
     LEASES_PREFIX,
@@ -583,7 +582,7 @@ async def test_a_connect_waits_for_a_pause_another_node_is_committing(tmp_path: 
             blobs={},
         )
 
-    assert await committed_pause(b, "sbx1", wait=5) is None  # nothing known: not found
+    assert await b.committed_pause("sbx1", wait=5) is None  # nothing known: not found
     await a.put_pending(PendingPause(sandbox_id="sbx1", generation=1, node="a", paused_at=now))
 
     async def commit_later() -> None:
@@ -592,17 +591,17 @@ async def test_a_connect_waits_for_a_pause_another_node_is_committing(tmp_path: 
         await a.drop_pending("sbx1")
 
     committing = asyncio.create_task(commit_later())
-    entry = await committed_pause(b, "sbx1", wait=30)
+    entry = await b.committed_pause("sbx1", wait=30)
     await committing
     assert entry is not None and entry.generation == 1
     # Resumed on a and paused again: generation 1 is in the repository, 2 is on its way,
     # and b must not take the stale one. Node a never commits it here.
     await a.put_pending(PendingPause(sandbox_id="sbx1", generation=2, node="a", paused_at=now))
     with pytest.raises(CommitPending) as raised:
-        await committed_pause(b, "sbx1", wait=0.6)
+        await b.committed_pause("sbx1", wait=0.6)
     assert raised.value.node == "a" and "not reached the repository" in str(raised.value)
     # The pausing node itself never waits for its own announcement.
-    assert (await committed_pause(a, "sbx1", wait=0)) == paused(1)
+    assert (await a.committed_pause("sbx1", wait=0)) == paused(1)
     # Withdrawn (resumed on a before the commit): b stops waiting.
     await a.drop_pending("sbx1")
-    assert (await committed_pause(b, "sbx1", wait=0)) == paused(1)
+    assert (await b.committed_pause("sbx1", wait=0)) == paused(1)

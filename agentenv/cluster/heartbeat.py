@@ -43,7 +43,7 @@ def node_report(
     paused = [view.record for view in sandboxes if view.state == "paused"]
     return NodeReport(
         nodeID=status.node,
-        url=config.node_url or f"http://{config.listen}",
+        url=config.node_url or config.url,
         version=__version__,
         cpuCount=os.cpu_count() or 1,
         memoryMib=host_memory_mib(),

@@ -2,8 +2,10 @@
 templates, paused sandboxes), committing to it, and fetching from it into the node cache.
 
 Records live under ``catalog/snapshot/<id>`` (snapshots and templates: one namespace, a
-``type`` field tells them apart; names map to ids) and ``catalog/paused/<sandbox id>``;
-``catalog/pausing/<sandbox id>`` says a node paused a sandbox whose commit is on its way.
+``type`` field tells them apart; names map to ids), ``catalog/paused/<sandbox id>``,
+``catalog/pausing/<sandbox id>`` (a node paused that sandbox and its commit is on its way)
+and ``catalog/secret/<id>`` (secrets, encrypted by ``orchestrator/secrets.py``; their
+names are ``secret:<name>``).
 A commit pushes every blob first and writes the record last, so a crash or an
 unreachable repository mid-commit leaves the previous state. A paused sandbox is held
 by one node at a time: whoever resumes generation ``g`` of it first claims
@@ -17,12 +19,14 @@ import contextlib
 import errno
 import logging
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 from agentenv.config import Config
 from agentenv.orchestrator.errors import (
+    CommitPending,
     Conflict,
     InvalidRequest,
     NodeCacheFull,
@@ -33,6 +37,7 @@ from agentenv.orchestrator.records import (
     MalformedRecord,
     PausedEntry,
     PendingPause,
+    SecretEntry,
     SnapshotEntry,
 )
 from agentenv.snapshots.cache import CacheFull, NodeCache
@@ -49,6 +54,9 @@ T = TypeVar("T")
 SNAPSHOTS = "snapshot"
 PAUSED = "paused"
 PAUSING = "pausing"
+# How often a connect waiting for another node's commit looks again.
+COMMIT_POLL_S = 0.25
+SECRETS = "secret"
 
 
 async def _guard(what: str, work: Awaitable[T]) -> T:
@@ -271,6 +279,26 @@ class Catalog:
             self.repository.delete_record(PAUSING, sandbox_id),
         )
 
+    async def committed_pause(self, sandbox_id: str, wait: float) -> PausedEntry | None:
+        """The sandbox's committed pause record; when another node announced a later
+        pause of it (:meth:`put_pending`), once that one is committed (looked for every
+        ``COMMIT_POLL_S``). :class:`CommitPending` if it is not within ``wait`` seconds;
+        None when the repository holds no pause of it."""
+        started = time.monotonic()
+        while True:
+            entry = await self.get_paused(sandbox_id)
+            pending = await self.get_pending(sandbox_id)
+            if (
+                pending is None
+                or pending.node == self.node
+                or (entry is not None and entry.generation >= pending.generation)
+            ):
+                return entry
+            waited = time.monotonic() - started
+            if waited >= wait:
+                raise CommitPending(sandbox_id, pending.node, waited)
+            await asyncio.sleep(min(COMMIT_POLL_S, wait - waited))
+
     async def claim(self, sandbox_id: str, generation: int) -> bool:
         """Take generation ``generation`` of a paused sandbox for this node; False if
         another node took it first."""
@@ -299,9 +327,64 @@ class Catalog:
             ),
         )
 
+    # -- secrets -----------------------------------------------------------------------
+    async def put_secret(self, entry: SecretEntry) -> None:
+        await _guard(
+            f"writing secret {entry.id}",
+            self.repository.put_record(SECRETS, entry.id, entry.to_wire()),
+        )
+
+    async def get_secret(self, secret_id: str) -> SecretEntry | None:
+        async def find() -> SecretEntry | None:
+            record = await self.repository.get_record(SECRETS, secret_id)
+            return None if record is None else SecretEntry.from_wire(record)
+
+        return await _guard(f"reading secret {secret_id}", find())
+
+    async def secret_named(self, name: str) -> str | None:
+        """The id the secret name ``name`` points at, if any."""
+        return await _guard(
+            "reading secret names", self.repository.resolve_name(_secret_name(name))
+        )
+
+    async def claim_secret_name(self, name: str, secret_id: str, *, replace: bool) -> bool:
+        """Point ``name`` at ``secret_id``: create-only (False if it is taken), or
+        unconditionally with ``replace`` (a name left by a create that crashed)."""
+
+        async def work() -> bool:
+            if replace:
+                await self.repository.set_name(_secret_name(name), secret_id)
+                return True
+            return await self.repository.claim_name(_secret_name(name), secret_id)
+
+        return await _guard(f"claiming secret name {name!r}", work())
+
+    async def list_secrets(self) -> list[SecretEntry]:
+        records = await _guard("listing secrets", self.repository.list_records(SECRETS))
+        entries = []
+        for record in records:
+            try:
+                entries.append(SecretEntry.from_wire(record))
+            except MalformedRecord as exc:
+                log.warning("skipping a secret record of the repository: %s", exc)
+        return entries
+
+    async def delete_secret(self, entry: SecretEntry) -> None:
+        """Remove the record first (the value is gone at once), then the name."""
+
+        async def work() -> None:
+            await self.repository.delete_record(SECRETS, entry.id)
+            await self.repository.drop_name(_secret_name(entry.name), expected_target=entry.id)
+
+        await _guard(f"deleting secret {entry.id}", work())
+
 
 def _claim_name(sandbox_id: str, generation: int) -> str:
     return f"claim:{sandbox_id}:{generation}"
+
+
+def _secret_name(name: str) -> str:
+    return f"secret:{name}"
 
 
 def _is_id(key: str) -> bool:

@@ -23,7 +23,6 @@ from typing import NamedTuple
 from agentenv.network.policy import EgressPolicy
 from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import (
-    CommitPending,
     Conflict,
     NodeCacheFull,
     OperationFailed,
@@ -57,8 +56,6 @@ from agentenv.vmm.base import SnapshotFiles
 log = logging.getLogger("agentenv.orchestrator")
 
 COMMIT_RETRY_S = 10.0
-# How often a connect waiting for another node's commit looks again.
-COMMIT_POLL_S = 0.25
 _COMMIT = "commit"
 _UPLOAD = "upload"
 
@@ -292,7 +289,7 @@ class RepositorySync:
     async def announce_pause(self, sandbox_id: str, generation: int) -> None:
         """Tell the repository this node is pausing ``sandbox_id`` and will commit
         ``generation`` of it, so another node asked to connect it waits for that commit
-        (:func:`committed_pause`). Written while the pause saves the machine, awaited
+        (:meth:`Catalog.committed_pause`). Written while the pause saves the machine, awaited
         before it answers; a repository that cannot be reached is logged, and the pause
         stands (another node then answers 404 until the commit lands, as before)."""
         pending = PendingPause(
@@ -479,7 +476,7 @@ class RepositorySync:
         such paused sandbox, :class:`Conflict` if another node resumed it first."""
         if self.store.get_sandbox(sandbox_id) is not None:
             return  # adopted by a concurrent call
-        entry = await committed_pause(self.catalog, sandbox_id, self.commit_wait)
+        entry = await self.catalog.committed_pause(sandbox_id, self.commit_wait)
         if entry is None:
             raise SandboxNotFound(sandbox_id)
         self._adopted_token(entry)  # before the claim: a node that cannot serve it leaves it
@@ -599,27 +596,6 @@ class RepositorySync:
 class _Stopped(NamedTuple):
     job: str  # _COMMIT or _UPLOAD
     reason: str
-
-
-async def committed_pause(catalog: Catalog, sandbox_id: str, wait: float) -> PausedEntry | None:
-    """The sandbox's committed pause record; when another node announced a later pause
-    of it, once that one is committed (looked for every ``COMMIT_POLL_S``).
-    :class:`CommitPending` if it is not within ``wait`` seconds; None when the
-    repository holds no pause of it."""
-    started = time.monotonic()
-    while True:
-        entry = await catalog.get_paused(sandbox_id)
-        pending = await catalog.get_pending(sandbox_id)
-        if (
-            pending is None
-            or pending.node == catalog.node
-            or (entry is not None and entry.generation >= pending.generation)
-        ):
-            return entry
-        waited = time.monotonic() - started
-        if waited >= wait:
-            raise CommitPending(sandbox_id, pending.node, waited)
-        await asyncio.sleep(min(COMMIT_POLL_S, wait - waited))
 
 
 def _no_space(exc: BaseException) -> bool:
