@@ -130,7 +130,9 @@ def bench(cluster: LocalCluster, runs: int, rps_seconds: float) -> dict[str, Any
     key = cluster.api_key
     raw: dict[str, list[float]] = {}
     with client(cluster.gateway_url, key) as api:
-        create(api)  # warm-up: first restores read the RAM image from disk
+        # Warm-up (first restores read the RAM image from disk), one per node.
+        for _ in range(NODES):
+            api.delete(f"/sandboxes/{create(api)['sandboxID']}")
         sbx = create(api)
     sandbox_id, token = sbx["sandboxID"], sbx["envdAccessToken"]
     home = owner(cluster, sandbox_id)
