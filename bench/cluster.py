@@ -40,7 +40,7 @@ import httpx
 
 from agentenv.cluster.local import LocalCluster
 from bench.lifecycle import print_table, summarize
-from tests.helpers import envelope
+from tests.helpers import cleanup_host, envelope
 
 MIB = 1024 * 1024
 NODES = 3
@@ -208,6 +208,8 @@ def main() -> None:
         result = bench(cluster, args.runs, args.rps_seconds)
     finally:
         cluster.down()
+        for index in range(NODES):  # network resources the nodes leave by design
+            cleanup_host(root / cluster.node_name(index))
         shutil.rmtree(root, ignore_errors=True)
     raw = result["raw"]
     summary = {name: summarize(values) for name, values in raw.items()}
