@@ -37,9 +37,11 @@ def scope(method: str, path: str, params: dict[str, str]) -> dict[str, Any]:
 
 
 def signed(
-    path: str, operation: str, token: str, user: str | None = None, expires: int | None = 60
+    path: str, operation: str, token: str, user: str | None = None, expires: int | None = 86400
 ) -> dict[str, str]:
-    """The query the SDK's download_url/upload_url builds."""
+    """The query the SDK's download_url/upload_url builds. Valid for a day by default:
+    the parametrized cases are signed when pytest collects them, which in a whole-suite
+    run is minutes before they run."""
     made = get_signature(path, operation, user, token, expires)  # type: ignore[arg-type]
     params = {"path": path, "signature": made["signature"]}
     if user:

@@ -286,8 +286,12 @@ class Catalog:
         None when the repository holds no pause of it."""
         started = time.monotonic()
         while True:
-            entry = await self.get_paused(sandbox_id)
+            # The announcement first: a committing node writes the paused record before
+            # it drops the announcement, so a record read after an announcement found
+            # gone includes that commit (read the other way round, a commit landing in
+            # between looked like no pause at all).
             pending = await self.get_pending(sandbox_id)
+            entry = await self.get_paused(sandbox_id)
             if (
                 pending is None
                 or pending.node == self.node
