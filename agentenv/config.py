@@ -212,10 +212,14 @@ class Config(BaseModel):
     # start), at a small cost to every fork on the host. False leaves the mount alone.
     cgroup_favordynmods: bool = True
     # Seconds between samples of every running sandbox's metrics (E2B's interval is 5 s);
-    # each wakes the guest for one envd request, which costs an idle sandbox about 0.9 %
-    # of a core under TCG (bench/idle.py). 0: no history, a sandbox is sampled when its
-    # metrics are asked for.
+    # envd is asked once a minute, the host measures in between (orchestrator/metrics.py).
+    # 0: no history, a sandbox is sampled when its metrics are asked for.
     metrics_interval: float = Field(default=5.0, ge=0)
+    # Guest RAM this node lends its running sandboxes, as a multiple of its own RAM: a
+    # create, fork or resume that would go beyond it is refused (503) instead of pushing
+    # the node into swap or the OOM killer. Idle sandboxes use a fraction of their RAM
+    # (bench/density.py). 0: no limit.
+    memory_overcommit: float = Field(default=4.0, ge=0)
     # How much of a VM's console output is kept (the most recent), K/M/G suffixes.
     console_log_size: str = "1M"
 

@@ -37,11 +37,14 @@ def scope(method: str, path: str, params: dict[str, str]) -> dict[str, Any]:
 
 
 def signed(
-    path: str, operation: str, token: str, user: str | None = None, expires: int | None = 86400
+    path: str,
+    operation: str,
+    token: str,
+    user: str | None = None,
+    expires: int | None = 24 * 3600,
 ) -> dict[str, str]:
-    """The query the SDK's download_url/upload_url builds. Valid for a day by default:
-    the parametrized cases are signed when pytest collects them, which in a whole-suite
-    run is minutes before they run."""
+    """The query the SDK's download_url/upload_url builds. Parametrized cases are built
+    when the tests are collected, maybe long before they run: they expire in a day."""
     made = get_signature(path, operation, user, token, expires)  # type: ignore[arg-type]
     params = {"path": path, "signature": made["signature"]}
     if user:

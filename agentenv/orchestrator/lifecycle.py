@@ -38,7 +38,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.layout import SandboxDir, write_atomically
 from agentenv.orchestrator.machines import Machines, disk_format
 from agentenv.orchestrator.network_options import NetworkOptions
-from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots
+from agentenv.orchestrator.resources import FilePins, MemoryBudget, NetworkLeases, Slots
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import SETTLED_STATES, SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
@@ -102,8 +102,10 @@ class Lifecycle:
         http: httpx.AsyncClient,
         *,
         boot_timeout: float,
+        memory: MemoryBudget,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
+        self.memory = memory
         self.store = store
         self.driver = driver
         self.network = network
@@ -145,11 +147,14 @@ class Lifecycle:
         *,
         private_memory: bool,
     ) -> SandboxView:
-        slot = self.slots.reserve()
-        try:
-            return await self._create(sandbox_id, source, identity, slot, timeout, private_memory)
-        finally:
-            self.slots.release(slot)
+        with self.memory.hold(sandbox_id, source.snapshot.memory_mib, "create"):
+            slot = self.slots.reserve()
+            try:
+                return await self._create(
+                    sandbox_id, source, identity, slot, timeout, private_memory
+                )
+            finally:
+                self.slots.release(slot)
 
     async def _create(
         self,
@@ -384,6 +389,9 @@ class Lifecycle:
             # own when the VMM can map one, so the next pause is a device-state save.
             memory, shared = directory.memory_file, self.driver.shared_memory_boot
             memory.unlink(missing_ok=True)
+        # No await between the check and the transition: once resuming, the record
+        # itself counts as lent RAM.
+        self.memory.admit(rec.memory_mib, "resume")
         self.store.transition(sandbox_id, S.PAUSED, S.RESUMING)
         vm: VirtualMachine | None = None
         try:

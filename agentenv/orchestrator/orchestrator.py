@@ -59,7 +59,13 @@ from agentenv.orchestrator.metrics import GuestSample, MetricsHistory
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
-from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
+from agentenv.orchestrator.resources import (
+    FilePins,
+    MemoryBudget,
+    NetworkLeases,
+    Slots,
+    resolve_subnet,
+)
 from agentenv.orchestrator.secrets import Secrets
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import (
@@ -188,6 +194,7 @@ class Orchestrator:
             self._sync,
             self.http,
             boot_timeout=config.template_boot_timeout,
+            memory=MemoryBudget(self.store, config.memory_overcommit),
         )
         self._liveness = VmmLiveness(
             self.store, self._machines, self._operations, self._lifecycle, self._free_space

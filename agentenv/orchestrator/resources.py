@@ -1,8 +1,9 @@
-"""What a node lends its sandboxes: network slots, network namespaces kept a while
-after a pause, and the files sandboxes and snapshots depend on (pinned against cache
-eviction, collected once unused).
+"""What a node lends its sandboxes: network slots, guest RAM, network namespaces kept a
+while after a pause, and the files sandboxes and snapshots depend on (pinned against
+cache eviction, collected once unused).
 
-Owns the reserved-slot set and the lingering-network timers. Reads records from the
+Owns the reserved-slot set, the RAM reservations of starting sandboxes and the
+lingering-network timers. Reads records from the
 store; changes only snapshot records it collects (deleted ones whose files go).
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentenv.config import Config
@@ -49,6 +51,70 @@ class Slots:
 
     def release(self, slot: int) -> None:
         self._reserved.discard(slot)
+
+
+#: States in which a sandbox has a VMM holding its guest RAM (a paused one has none).
+HOLDS_RAM = frozenset(set(SandboxState) - {SandboxState.PAUSED})
+
+
+def host_ram_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("/proc/meminfo has no MemTotal")
+
+
+class MemoryBudget:
+    """Guest RAM lent to sandboxes with a VMM, against the node's RAM times
+    ``Config.memory_overcommit``: a start beyond it is refused (:class:`CapacityExhausted`,
+    503) instead of tipping the node into swap or the OOM killer. A sandbox being started
+    holds a reservation until its record shows it."""
+
+    def __init__(self, store: Store, overcommit: float, host_mib: int | None = None) -> None:
+        self.store = store
+        self.overcommit = overcommit
+        self.host_mib = host_mib if host_mib is not None else host_ram_mib()
+        self._reserved: dict[str, int] = {}
+
+    @property
+    def limit_mib(self) -> int | None:
+        """Guest RAM the node may lend; None: no limit."""
+        return int(self.host_mib * self.overcommit) if self.overcommit > 0 else None
+
+    def lent_mib(self) -> int:
+        """Guest RAM of the sandboxes with a VMM, and of those being started."""
+        holding = {
+            r.sandbox_id: r.memory_mib for r in self.store.list_sandboxes() if r.state in HOLDS_RAM
+        }
+        pending = sum(mib for sid, mib in self._reserved.items() if sid not in holding)
+        return sum(holding.values()) + pending
+
+    def admit(self, memory_mib: int, operation: str) -> None:
+        """:class:`CapacityExhausted` unless ``memory_mib`` more fits in the limit. A
+        caller that starts the VMM after awaiting something holds a reservation instead
+        (:meth:`hold`); one that changes the record's state right after needs none."""
+        limit = self.limit_mib
+        if limit is None:
+            return
+        lent = self.lent_mib()
+        if lent + memory_mib > limit:
+            raise CapacityExhausted(
+                f"{operation} refused: this node lends {lent} MiB of guest RAM and may lend "
+                f"{limit} MiB ({self.overcommit:g} x its {self.host_mib} MiB); the sandbox "
+                f"needs {memory_mib} MiB"
+            )
+
+    @contextlib.contextmanager
+    def hold(self, sandbox_id: str, memory_mib: int, operation: str) -> Iterator[None]:
+        """Admit ``memory_mib`` and keep it reserved for ``sandbox_id`` while it starts."""
+        self.admit(memory_mib, operation)
+        self._reserved[sandbox_id] = self._reserved.get(sandbox_id, 0) + memory_mib
+        try:
+            yield
+        finally:
+            left = self._reserved.pop(sandbox_id, 0) - memory_mib
+            if left > 0:
+                self._reserved[sandbox_id] = left
 
 
 class NetworkLeases:

@@ -1,0 +1,197 @@
+"""How many idle sandboxes one node holds while every one of them still answers.
+
+A server is started and one sandbox's ``echo`` round trip is measured (the baseline of the
+same run). Then sandboxes are created, all left idle, up to each level of ``--levels``
+(25, 50, 100, 200 by default); at each level, after ``--settle`` seconds, it records:
+
+  host memory       MemTotal - MemAvailable, and the node's overcommit: sandboxes x guest
+                    RAM / host RAM
+  host CPU          % of one core used by the whole host over ``--window`` seconds
+  PSS per sandbox   the VMMs' proportional set size (shared pages split among them)
+  echo round trip   ``echo`` through the proxy in every sandbox, one after the other
+                    (``bash -l -c``, as the SDK's ``commands.run``), p50 and p99
+
+A level passes when every sandbox answered within twice the single-sandbox median. The
+report names the largest level that passed and why the run stopped: the last level, a
+create the node refused (its admission control: 503/507), or a level that failed.
+
+Usage (as root):
+  .venv/bin/python bench/density.py [--levels 25,50,100,200] [--json bench/results/density.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.lifecycle import percentile, prepare_data_dir
+from tests.helpers import ServerProcess, envd_token, live_server, run_command, vmm_pids
+
+MIB = 1024 * 1024
+
+
+def meminfo() -> dict[str, int]:
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        info[key] = int(rest.split()[0]) * 1024
+    return info
+
+
+def host_busy_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def host_cpu_percent(window: float) -> float:
+    """Percent of one core the host used over ``window`` seconds (all cores summed)."""
+    busy0, total0 = host_busy_ticks()
+    time.sleep(window)
+    busy1, total1 = host_busy_ticks()
+    cores = os.cpu_count() or 1
+    return 100.0 * cores * (busy1 - busy0) / max(1, total1 - total0)
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Refused(Exception):
+    """The node refused a create (admission control), with its answer."""
+
+
+def create(api: httpx.Client) -> tuple[str, str | None]:
+    response = api.post("/sandboxes", json={"templateID": "base", "timeout": 3600})
+    if response.status_code in (503, 507):
+        raise Refused(f"{response.status_code} {response.text[:200]}")
+    response.raise_for_status()
+    body = response.json()
+    return str(body["sandboxID"]), body.get("envdAccessToken")
+
+
+def echo_ms(url: str, sandbox_id: str, token: str | None) -> float:
+    started = time.perf_counter()
+    result = run_command(url, sandbox_id, "echo hi", token=token, timeout=300)
+    if result.stdout.strip() != "hi":
+        raise RuntimeError(f"{sandbox_id} answered {result.stdout!r}")
+    return 1000 * (time.perf_counter() - started)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    home = Path(tempfile.mkdtemp(prefix="aenv-density-", dir=args.data_dir))
+    server = ServerProcess(home=home / "node", extra_env={"AENV_NETWORK_LINGER": "1"})
+    levels: list[dict[str, Any]] = []
+    stopped = "reached the last level"
+    try:
+        with live_server(server), server.client() as api:
+            url = server.url
+            sandboxes: list[tuple[str, str | None]] = [create(api)]
+            sandboxes[0] = (sandboxes[0][0], sandboxes[0][1] or envd_token(url, sandboxes[0][0]))
+            time.sleep(args.settle)
+            single = [echo_ms(url, *sandboxes[0]) for _ in range(args.baseline_runs)]
+            single_p50 = statistics.median(single)
+            print(f"one sandbox: echo p50 {single_p50:.0f} ms (limit {2 * single_p50:.0f} ms)")
+            guest_ram = int(api.get(f"/sandboxes/{sandboxes[0][0]}").json()["memoryMB"]) * MIB
+            host_ram = meminfo()["MemTotal"]
+            for level in args.levels:
+                try:
+                    while len(sandboxes) < level:
+                        sandboxes.append(create(api))
+                except Refused as refused:
+                    stopped = f"the node refused sandbox {len(sandboxes) + 1}: {refused}"
+                    print(stopped)
+                    break
+                time.sleep(args.settle)
+                memory = meminfo()
+                cpu = host_cpu_percent(args.window)
+                pids = vmm_pids(str(server.home))
+                pss = [pss_bytes(pid) for pid in pids]
+                echoes = [echo_ms(url, sandbox_id, token) for sandbox_id, token in sandboxes]
+                row = {
+                    "sandboxes": len(sandboxes),
+                    "vmms": len(pids),
+                    "host_used_mib": (memory["MemTotal"] - memory["MemAvailable"]) // MIB,
+                    "overcommit": len(sandboxes) * guest_ram / host_ram,
+                    "host_cpu_pct_of_core": cpu,
+                    "pss_per_sandbox_mib": sum(pss) / max(1, len(pss)) / MIB,
+                    "echo_p50_ms": statistics.median(echoes),
+                    "echo_p99_ms": percentile(echoes, 0.99),
+                    "echo_max_ms": max(echoes),
+                    "all_within_2x": max(echoes) <= 2 * single_p50,
+                }
+                levels.append(row)
+                print(
+                    f"{row['sandboxes']:5d} sandboxes: host {row['host_used_mib']:6d} MiB used, "
+                    f"overcommit {row['overcommit']:.2f}, CPU {cpu:6.1f} % of a core, "
+                    f"PSS {row['pss_per_sandbox_mib']:6.1f} MiB each, echo p50 "
+                    f"{row['echo_p50_ms']:.0f} ms p99 {row['echo_p99_ms']:.0f} ms"
+                )
+                if not row["all_within_2x"]:
+                    stopped = (
+                        f"at {level} sandboxes the slowest echo took {max(echoes):.0f} ms, "
+                        f"more than twice one sandbox's {single_p50:.0f} ms"
+                    )
+                    print(stopped)
+                    break
+            for sandbox_id, _ in sandboxes:
+                api.delete(f"/sandboxes/{sandbox_id}")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    passed = [row for row in levels if row["all_within_2x"]]
+    best = passed[-1] if passed else None
+    return {
+        "single_echo_ms": single,
+        "single_echo_p50_ms": single_p50,
+        "guest_ram_mib": guest_ram // MIB,
+        "host_ram_mib": host_ram // MIB,
+        "levels": levels,
+        "largest_passing": best["sandboxes"] if best else 0,
+        "overcommit_at_largest": best["overcommit"] if best else 0.0,
+        "stopped": stopped,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--levels", type=lambda s: [int(v) for v in s.split(",")], default=[25, 50, 100, 200]
+    )
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds before measuring")
+    parser.add_argument("--window", type=float, default=10.0, help="seconds of host CPU")
+    parser.add_argument("--baseline-runs", type=int, default=15)
+    parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/agentenv-bench"))
+    parser.add_argument("--json", type=Path, default=Path("bench/results/density.json"))
+    args = parser.parse_args()
+    prepare_data_dir(args.data_dir)
+    result = measure(args)
+    print(
+        f"largest count with every echo within 2x of one sandbox's: "
+        f"{result['largest_passing']} (overcommit {result['overcommit_at_largest']:.2f}); "
+        f"stopped: {result['stopped']}"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
