@@ -42,6 +42,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUILD_FAILED: 400,
     # The alias lookup route answers 404, unlike a create's unknown template.
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,
+    ErrorCode.TAG_NOT_FOUND: 404,
 }
 
 _DESCRIPTIONS = {

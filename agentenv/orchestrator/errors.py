@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     INSUFFICIENT_STORAGE = "insufficient_storage"
     BUILD_FAILED = "build_failed"
     TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
+    TAG_NOT_FOUND = "tag_not_found"
 
 
 class OrchestratorError(Exception):
@@ -147,3 +148,9 @@ class TemplateAliasNotFound(OrchestratorError):
 
     def __init__(self, alias: str) -> None:
         super().__init__(f"template {alias!r} not found")
+
+
+class TagNotFound(OrchestratorError):
+    """A template has no such tag (404 on the tag routes, as E2B answers)."""
+
+    code = ErrorCode.TAG_NOT_FOUND

@@ -97,3 +97,15 @@ class PausedEntry(_Record):
     # The sandbox's envd token's digest (tokens.token_digest): the node resuming it
     # derives the token with its key and checks it against this.
     envd_token_sha256: str | None = None
+
+
+class TagEntry(_Record):
+    """A tag of a template name pointing at one of its builds
+    (``catalog/tags/<name>/<tag>``). The ``default`` tag is not one of these: it is the
+    name itself (``catalog/names/<name>``), which is what older nodes resolve."""
+
+    name: str
+    tag: str
+    # The build's record id (``catalog/snapshot/<target>``).
+    target: str
+    assigned_at: datetime

@@ -17,11 +17,13 @@ from agentenv.orchestrator.errors import (
     OperationFailed,
     RepositoryUnavailable,
     SandboxStartFailed,
+    TagNotFound,
     TemplateNotFound,
 )
 from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.resources import FilePins
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store
+from agentenv.orchestrator.tags import DEFAULT_TAG, parse_tagged
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 
@@ -83,6 +85,7 @@ class Sources:
                 self.pins.collect_snapshots()
             if self.store.get_template(template_id) is not None:
                 return await self._template(template_id)
+            await self._check_tag(template_id)
             raise TemplateNotFound(template_id)
         if local is not None and local.snapshot_id == record.id:
             return self.local(local)
@@ -90,6 +93,16 @@ class Sources:
             record, lambda line: log.info("fetching %s: %s", record.id, line)
         )
         return Source(record.id, record.id, snapshot, record.id)
+
+    async def _check_tag(self, template_id: str) -> None:
+        """:class:`TagNotFound` (404, as E2B answers) for ``name:tag`` naming a
+        template that exists and a tag it does not have."""
+        parsed = parse_tagged(template_id)
+        if parsed is None or parsed[2] is not None:
+            return
+        name, tag, _ = parsed
+        if await self.catalog.resolve_tag(name, DEFAULT_TAG) or await self.catalog.tags(name):
+            raise TagNotFound(f"tag {tag!r} does not exist for template {name!r}")
 
     async def _template(self, template_id: str) -> Source:
         template = await self.templates.get(template_id)
