@@ -66,7 +66,7 @@ class Sources:
         if template_id == BASE_TEMPLATE:
             return await self._template(template_id)
         local = self.store.get_snapshot(template_id)
-        if local is not None and (local.kind not in SHAREABLE_KINDS or local.state != "ready"):
+        if local is not None and not _usable(local):
             local = None
         if local is not None and not SnapshotDir(local.snapshot_dir).committed():
             # Not in the repository yet (its commit is under way): this node's copy.
@@ -87,7 +87,10 @@ class Sources:
                 return await self._template(template_id)
             await self._check_tag(template_id)
             raise TemplateNotFound(template_id)
-        if local is not None and local.snapshot_id == record.id:
+        if local is None or local.snapshot_id != record.id:
+            # Named otherwise here (a tag, a name that moved): this node's copy still.
+            local = self.store.get_snapshot(record.id)
+        if local is not None and local.snapshot_id == record.id and _usable(local):
             return self.local(local)
         snapshot = await self.catalog.fetch(
             record, lambda line: log.info("fetching %s: %s", record.id, line)
@@ -126,3 +129,8 @@ class Sources:
             return MachineSnapshot.load(directory)
         except SnapshotError as exc:
             raise OperationFailed(f"source of sandbox {rec.sandbox_id}: {exc}") from exc
+
+
+def _usable(rec: SnapshotRecord) -> bool:
+    """A local snapshot that starts sandboxes (not a fork image, not deleted)."""
+    return rec.kind in SHAREABLE_KINDS and rec.state == "ready"
