@@ -248,6 +248,11 @@ async def test_tags_start_their_builds_on_every_node(
     assert tags_of(await api.get(f"/templates/{second}/tags")) == expected
     alias = await api.get("/templates/aliases/web:v2")
     assert alias.json()["templateID"] == second
+    assert (await api.get("/templates/web:v2")).json()["templateID"] == second
+    # A rebuild without tags takes the name: "web" is that build now, not an older one.
+    third = await build(nodes[0], "web", ["default"])
+    assert (await other_api.get("/templates/web")).json()["templateID"] == third
+    assert await started_from(other_api, "web") == third
 
     # An unknown tag of a known template is a 404 (as E2B answers); an unknown
     # template stays a create's 400.

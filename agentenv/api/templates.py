@@ -9,6 +9,7 @@ API key), because the SDK sends the upload without its API key.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -327,19 +328,27 @@ def template_routes(
         dependencies=list(authed),
     )
     async def get_template(template_id: TemplateRef) -> TemplateInfo:
-        for info in await template_infos():
-            if info.template_id == template_id or template_id in info.names:
-                summary = TemplateBuildSummary(
-                    buildID=info.build_id,
-                    status=info.build_status,
-                    createdAt=info.created_at,
-                    updatedAt=info.updated_at,
-                    cpuCount=info.cpu_count,
-                    memoryMB=info.memory_mb,
-                    diskSizeMB=info.disk_size_mb,
-                    envdVersion=info.envd_version,
-                )
-                return info.model_copy(update={"builds": [summary]})
+        # A name (or name:tag) means the build it starts now, not an older one of it.
+        wanted = template_id
+        if template_id != BASE_TEMPLATE:
+            with contextlib.suppress(SnapshotNotFound):
+                wanted = (await orchestrator.get_snapshot(template_id, "template")).snapshot_id
+        infos = await template_infos()
+        by_id = [i for i in infos if i.template_id == wanted]
+        found = by_id or [i for i in infos if template_id in i.names]
+        if found:
+            info = found[0]
+            summary = TemplateBuildSummary(
+                buildID=info.build_id,
+                status=info.build_status,
+                createdAt=info.created_at,
+                updatedAt=info.updated_at,
+                cpuCount=info.cpu_count,
+                memoryMB=info.memory_mb,
+                diskSizeMB=info.disk_size_mb,
+                envdVersion=info.envd_version,
+            )
+            return info.model_copy(update={"builds": [summary]})
         raise TemplateAliasNotFound(template_id)
 
     return router
