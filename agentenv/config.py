@@ -56,7 +56,9 @@ NOT_SETTINGS = frozenset(
 )
 
 # Values never repeated in an error message.
-_SECRET_KEYS = frozenset({"api_key", "s3.secret_access_key", "s3.session_token", "envd_token_key"})
+_SECRET_KEYS = frozenset(
+    {"api_key", "s3.secret_access_key", "s3.session_token", "envd_token_key", "secrets_key"}
+)
 
 
 class ConfigError(ValueError):
@@ -116,6 +118,11 @@ class Config(BaseModel):
     max_timeout: int = Field(default=24 * 3600, gt=0)
     net_subnet: str | None = None
     domain: str | None = None
+    # PEM files of a certificate (with its chain) and its key: with both set the server
+    # speaks only HTTPS, so a wildcard certificate for `domain` and `*.domain` lets the
+    # SDK use E2B_DOMAIN alone (https://api.{domain}, https://{port}-{id}.{domain}).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     log_level: str = "info"
     # Seconds a paused sandbox keeps its network namespace before it is released, so a
     # quick pause/resume cycle does not pay for tearing it down and building it again.
@@ -170,6 +177,11 @@ class Config(BaseModel):
     # are never stored (orchestrator/tokens.py). Nodes sharing a repository must have the
     # same one. Default: envd_token.key in the data directory, made at first start.
     envd_token_key: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-fA-F]{32,}$")
+    # The AES-256-GCM key secrets (the E2B secrets API) are encrypted with in the
+    # repository (hex, 64 digits); it is never written there. Nodes sharing a repository
+    # must have the same one. Default: secrets.key in the data directory, made at first
+    # start (mode 0600).
+    secrets_key: str | None = Field(default=None, repr=False, pattern=r"^[0-9a-fA-F]{64}$")
     # Free space the data directory's filesystem must keep: creates, forks and snapshots
     # are refused (507) below it. A size (512M, 20G) or a percentage of the filesystem
     # (5%); None: no floor.
@@ -265,6 +277,12 @@ class Config(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_tls(self) -> Config:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        return self
+
     # -- derived paths -------------------------------------------------------------------
     @property
     def host(self) -> str:
@@ -273,6 +291,16 @@ class Config(BaseModel):
     @property
     def port(self) -> int:
         return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def scheme(self) -> str:
+        """``https`` when the server has a certificate, else ``http``."""
+        return "https" if self.tls_cert is not None else "http"
+
+    @property
+    def url(self) -> str:
+        """Where this server is reached on its listening address."""
+        return f"{self.scheme}://{self.listen}"
 
     @property
     def db_path(self) -> Path:
@@ -324,6 +352,10 @@ class Config(BaseModel):
     @property
     def envd_token_key_path(self) -> Path:
         return self.home / "envd_token.key"
+
+    @property
+    def secrets_key_path(self) -> Path:
+        return self.home / "secrets.key"
 
     def free_space_floor_of(self, filesystem_bytes: int) -> int:
         """Bytes the data directory's filesystem (of ``filesystem_bytes``) must keep free."""

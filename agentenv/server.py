@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 import stat
 import sys
 from dataclasses import dataclass
@@ -125,6 +126,20 @@ def vmm_confinement(config: Config) -> confine.Confinement | None:
     return confinement
 
 
+def check_tls(config: Config) -> None:
+    """The certificate and key load together: a clear start-up error rather than one from
+    inside uvicorn."""
+    if config.tls_cert is None or config.tls_key is None:
+        return
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise NodeSetupError(
+            f"cannot use tls_cert {config.tls_cert} with tls_key {config.tls_key}: {exc}"
+        ) from exc
+
+
 def build_app(config: Config) -> tuple[FastAPI, Orchestrator, str]:
     runtime = choose_runtime(config)
     api_key = config.ensure_api_key()
@@ -134,7 +149,7 @@ def build_app(config: Config) -> tuple[FastAPI, Orchestrator, str]:
 
 
 def banner(config: Config, orchestrator: Orchestrator) -> str:
-    url = f"http://{config.listen}"
+    url = config.url
     key_hint = (
         "from AENV_API_KEY / the config file"
         if config.api_key
@@ -142,6 +157,12 @@ def banner(config: Config, orchestrator: Orchestrator) -> str:
     )
     key_expr = "$AENV_API_KEY" if config.api_key else f"$(cat {config.api_key_path})"
     runtime = f"vmm {orchestrator.driver.name}, accel {orchestrator.accel}"
+    domain_hint = ""
+    if config.domain and config.tls_cert is not None:
+        domain_hint = (
+            f"\nWith a name resolving {config.domain} and *.{config.domain} here, the SDK needs\n"
+            f"only: export E2B_DOMAIN={config.domain} E2B_API_KEY={key_expr}\n"
+        )
     return f"""
 agentenv {__version__} serving on {url}  ({runtime})
 data directory: {config.home}
@@ -151,7 +172,7 @@ Try it (the first create waits for the base template to be built):
   export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}
   curl -s -X POST "$E2B_API_URL/sandboxes" -H "X-API-Key: $E2B_API_KEY" \\
        -H 'Content-Type: application/json' -d '{{"templateID": "base", "timeout": 120}}'
-"""
+{domain_hint}"""
 
 
 def collect_garbage(config: Config, grace_s: float) -> None:
@@ -244,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if oom_problem:
         log.warning("%s (VMMs are still the OOM killer's first choice)", oom_problem)
     try:
+        check_tls(config)
         app, orchestrator, _ = build_app(config)
     except (NodeSetupError, ConfigError) as exc:
         sys.exit(f"aenv-server: {exc}")
@@ -263,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         # ones with a 431 body; h11 would otherwise reset the connection mid-upload.
         h11_max_incomplete_event_size=1024 * 1024,
         http=JsonErrorsH11Protocol,
+        ssl_certfile=config.tls_cert,
+        ssl_keyfile=config.tls_key,
     )
 
 

@@ -405,7 +405,15 @@ class FakeEnvd:
         if path == "/health":
             return httpx.Response(204)
         if path == "/metrics":
-            return httpx.Response(200, json={"cpu_count": 1, "mem_total": 512 * MIB})
+            return httpx.Response(
+                200,
+                json={
+                    "cpu_count": 1,
+                    "mem_total": 512 * MIB,
+                    "disk_used": 300 * MIB,
+                    "disk_total": 1024 * MIB,
+                },
+            )
         if path == "/process.Process/Start":
             return httpx.Response(
                 200,

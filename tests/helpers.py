@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -54,10 +55,20 @@ class ServerProcess:
     proc: subprocess.Popen[bytes] | None = None
     #: The checkout whose code the server runs (benchmarks compare two).
     root: Path = ROOT
+    #: With AENV_TLS_CERT in ``extra_env``: the CA that signed it (the server is https).
+    ca_file: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ca_file is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What clients of this server verify its certificate with."""
+        if self.ca_file is None:
+            return True
+        return ssl.create_default_context(cafile=str(self.ca_file))
 
     @property
     def log_path(self) -> Path:
@@ -88,7 +99,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_tail()}")
             try:
-                health = httpx.get(f"{self.url}/health", timeout=2).json()
+                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).json()
             except (httpx.HTTPError, ValueError):
                 time.sleep(0.2)
                 continue
@@ -120,7 +131,11 @@ class ServerProcess:
 
     def client(self) -> httpx.Client:
         return httpx.Client(
-            base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=120, trust_env=False
+            base_url=self.url,
+            headers={"X-API-Key": self.api_key},
+            timeout=120,
+            trust_env=False,
+            verify=self.verify,
         )
 
 

@@ -123,6 +123,25 @@ def test_commands_and_files_through_the_gateway(cluster: LocalCluster, pair: lis
     assert answer.status_code in (200, 204), answer.text
 
 
+def test_signed_urls_through_the_gateway(cluster: LocalCluster, pair: list[Sandbox]) -> None:
+    """The SDK's signed URLs name no sandbox through E2B_SANDBOX_URL: the gateway finds
+    the node whose sandbox signed them."""
+    for index, sbx in enumerate(pair):
+        sbx.files.write("/tmp/signed.txt", f"sandbox {index}")
+        url = sbx.download_url("/tmp/signed.txt", use_signature_expiration=120)
+        assert url.startswith(f"{cluster.gateway_url}/files?")
+        got = httpx.get(url, trust_env=False, timeout=60)
+        assert (got.status_code, got.text) == (200, f"sandbox {index}")
+        up = sbx.upload_url("/tmp/up.txt", use_signature_expiration=120)
+        sent = httpx.post(up, files={"file": ("f", f"up {index}".encode())}, trust_env=False)
+        assert sent.status_code == 200, sent.text
+        assert sbx.files.read("/tmp/up.txt") == f"up {index}"
+        tampered = url.replace("signature=v1_", "signature=v1_A")
+        assert httpx.get(tampered, trust_env=False, timeout=60).status_code == 401
+    unsigned = httpx.get(f"{cluster.gateway_url}/files", params={"path": "/etc/hostname"})
+    assert unsigned.status_code == 400
+
+
 def test_listing_pages_across_both_nodes(
     cluster: LocalCluster, pair: list[Sandbox], opts: dict[str, Any]
 ) -> None:

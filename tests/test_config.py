@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from agentenv.config import NOT_SETTINGS, Config, ConfigError
+from agentenv.server import NodeSetupError, check_tls
 from agentenv.snapshots.objects import S3ObjectStore, open_store
 from agentenv.snapshots.settings import S3Settings
 from agentenv.storage.oci import _policy_args
 from agentenv.vmm.firecracker_binary import FIRECRACKER_ENV, find_firecracker
+from tests.local_ca import make_local_ca
 
 
 def load(home: Path, env: dict[str, str] | None = None, **overrides: Any) -> Config:
@@ -243,6 +245,23 @@ def test_every_bad_value_is_reported(tmp_path: Path) -> None:
 def test_timeouts_checked_together(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"default_timeout .* at most max_timeout"):
         load(tmp_path, {"AENV_DEFAULT_TIMEOUT": "600", "AENV_MAX_TIMEOUT": "60"})
+
+
+def test_tls_certificate_and_key_go_together(tmp_path: Path) -> None:
+    assert load(tmp_path).url == "http://127.0.0.1:8000"
+    with pytest.raises(ConfigError, match="tls_cert and tls_key go together"):
+        load(tmp_path, {"AENV_TLS_CERT": "/etc/cert.pem"})
+    ca = make_local_ca(tmp_path / "ca", "aenv.test")
+    config = load(
+        tmp_path, {"AENV_TLS_CERT": str(ca.server_cert), "AENV_TLS_KEY": str(ca.server_key)}
+    )
+    assert (config.scheme, config.url) == ("https", "https://127.0.0.1:8000")
+    check_tls(config)
+    # A key that is not the certificate's, or a missing file: refused at start-up.
+    other = make_local_ca(tmp_path / "other", "aenv.test")
+    for cert, key in ((ca.server_cert, other.server_key), (ca.server_cert, tmp_path / "none")):
+        with pytest.raises(NodeSetupError, match="cannot use tls_cert"):
+            check_tls(config.with_overrides(tls_cert=cert, tls_key=key))
 
 
 def test_secret_values_not_repeated(tmp_path: Path) -> None:

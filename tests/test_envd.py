@@ -42,7 +42,6 @@ from e2b.sandbox_sync.filesystem.filesystem import Filesystem
 from packaging.version import Version
 from protobuf import Oneof
 
-from agentenv.envd.files import file_signature
 from agentenv.envd.filesystem_service import go_mode_string
 from agentenv.envd.gen.filesystem_connect import FilesystemClient
 from agentenv.envd.gen.filesystem_pb import (
@@ -73,6 +72,7 @@ from agentenv.envd.gen.process_pb import (
 from agentenv.envd.multipart import MultipartParser, PartData, PartEnd, PartStart
 from agentenv.envd.processes import ProcessExit
 from agentenv.envd.server import _listen
+from agentenv.envd.signatures import file_signature
 from agentenv.envd.state import InitError, InitRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -677,6 +677,29 @@ def _raw_status(port: int, method: str, path: str, body: bytes) -> int:
 
 
 def test_sigterm_exits_cleanly(fresh_envd: Envd) -> None:
+    assert fresh_envd.stop() == 0
+
+
+def _context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every thread of ``pid`` so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                total += int(line.split()[1])
+    return total
+
+
+def test_idle_envd_sleeps(fresh_envd: Envd) -> None:
+    # Every wakeup of an idle guest's envd costs the node CPU (Python at TCG speed); uvicorn's
+    # own main loop woke ten times a second, 20 times in this window.
+    time.sleep(0.5)  # let the health check's connection finish closing
+    before = _context_switches(fresh_envd.proc.pid)
+    time.sleep(2)
+    woke = _context_switches(fresh_envd.proc.pid) - before
+    assert woke <= 2, f"idle envd woke {woke} times in 2 s"
+    # It still answers, and still stops cleanly on SIGTERM.
+    assert httpx.get(f"{fresh_envd.url}/health", timeout=5).status_code == 204
     assert fresh_envd.stop() == 0
 
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 
+from agentenv.orchestrator import metrics
 from agentenv.orchestrator.errors import SandboxNotFound
-from agentenv.orchestrator.metrics import GuestSample, MetricsHistory
+from agentenv.orchestrator.metrics import GUEST_SAMPLE_INTERVAL_S, GuestSample, MetricsHistory
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxEvent, Store, utcnow
+from agentenv.vmm.base import GuestMemory, VirtualMachine
 from tests.fakes import FAKE_TEMPLATE, Node, start_node
 
 
@@ -105,3 +108,77 @@ async def test_kill_and_pause_end_traffic(node: Node) -> None:
     await orch.pause(paused)
     await orch.kill(paused)  # its traffic ended with the pause
     assert ended[2:] == [(paused, "paused")]
+
+
+MIB = 1024 * 1024
+
+
+class _MeteredVM:
+    """What the history asks of a VMM: its pid, CPU time and the balloon's report."""
+
+    def __init__(self) -> None:
+        self.pid = 4242
+        self.cpu = 100.0
+        self.memory: GuestMemory | None = GuestMemory(512 * MIB, 384 * MIB, 32 * MIB)
+        self.asked_every: list[float] = []
+
+    def cpu_seconds(self) -> float:
+        return self.cpu
+
+    async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
+        self.asked_every.append(report_every_s)
+        return self.memory
+
+
+async def test_samples_between_guest_ones_are_measured_on_the_host(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    orch = node.orchestrator
+    sandbox_id = (await orch.create(FAKE_TEMPLATE)).sandbox_id
+    view = await orch.get_settled(sandbox_id)
+    vm = _MeteredVM()
+    clock = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    history = MetricsHistory(
+        orch.store, orch.http, lambda _: cast(VirtualMachine, vm), interval_s=5
+    )
+
+    def guest_asked() -> int:
+        return sum(r.path == "/metrics" for r in node.envd.requests)
+
+    async def sample(after_s: float, cpu_s: float = 0.0) -> dict[str, object]:
+        clock[0] += after_s
+        vm.cpu += cpu_s
+        await history.sample([view])
+        latest = history.latest(sandbox_id)
+        assert latest is not None
+        return latest.figures
+
+    asked = guest_asked()
+    first = await sample(0)
+    # The first sample is envd's; the balloon driver is asked to report at the interval.
+    assert guest_asked() == asked + 1 and vm.asked_every == [5]
+    assert first["disk_used"] == 300 * MIB
+
+    # Then the host measures, and envd is not asked: CPU time over the interval and
+    # vCPUs, the balloon's figures, the disk carried from envd's sample.
+    second = await sample(5, cpu_s=1.0)
+    assert guest_asked() == asked + 1
+    assert second["cpu_used_pct"] == 100.0 * 1.0 / (5 * view.record.vcpus)
+    assert second["mem_total"] == 512 * MIB and second["mem_used"] == 128 * MIB
+    assert second["mem_cache"] == 32 * MIB
+    assert (second["disk_used"], second["disk_total"]) == (300 * MIB, 1024 * MIB)
+    assert (await sample(5))["cpu_used_pct"] == 0.0
+
+    # envd again: for fresh disk figures, after a resume (another VMM process), and
+    # whenever the balloon has nothing to say.
+    await sample(GUEST_SAMPLE_INTERVAL_S)
+    assert guest_asked() == asked + 2
+    await sample(5)
+    assert guest_asked() == asked + 2
+    vm.pid += 1
+    await sample(5)
+    assert guest_asked() == asked + 3
+    vm.memory = None
+    await sample(5)
+    assert guest_asked() == asked + 4

@@ -654,9 +654,9 @@ NAMES = {
 
 
 @contextmanager
-def _far_servers(far: str, ports: tuple[int, ...]) -> Iterator[None]:
+def _far_servers(far: str, ports: tuple[int, ...], shown: int = 40) -> Iterator[None]:
     """On every fake-internet address and port: read what arrives, answer with the
-    address that answered and the first line received, close."""
+    address that answered and the first `shown` bytes received (hex), close."""
     listeners = [
         _listen(far, socket.SOCK_STREAM, address, port)
         for address in FAR_ADDRESSES
@@ -677,7 +677,7 @@ def _far_servers(far: str, ports: tuple[int, ...]) -> Iterator[None]:
                 with suppress(OSError):
                     received = conn.recv(65536)
                     # Hex, not repr: repr's quotes change with the bytes received.
-                    conn.sendall(f"{address} {received[:40].hex()}".encode())
+                    conn.sendall(f"{address} {received[:shown].hex()}".encode())
 
     threads = [threading.Thread(target=serve, args=(sock,), daemon=True) for sock in listeners]
     for thread in threads:
@@ -779,6 +779,78 @@ async def test_host_names_are_decided_on_sni_and_host(
         answer = await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("evil.example"))
         assert answer is not None and answer.startswith(OTHER_PUBLIC)
     await manager.destroy(45)
+
+
+SECRET_VALUE = "s3cret-value-the-guest-never-holds"
+
+
+async def _secret(name: str) -> str:
+    if name == "tok":
+        return SECRET_VALUE
+    raise LookupError(f"no secret {name!r}")
+
+
+def _received(answer: str | None) -> bytes:
+    """What a far server received, from its answer (see ``_far_servers``)."""
+    assert answer is not None
+    return bytes.fromhex(answer.split(" ", 1)[1])
+
+
+@needs_root
+async def test_rules_add_headers_on_the_host(manager: NetworkManager, internet: str) -> None:
+    """Network ``rules`` headers reach the allowed host with the secret resolved by the
+    filter; the guest's own header of that name is dropped; TLS, other hosts and other
+    addresses are untouched; a secret that does not resolve closes the connection."""
+    manager.egress_filter.resolve = _fake_resolve
+    manager.resolve_secrets_with(_secret)
+    header = {"Authorization": "Bearer ${e2b.secrets.tok}"}
+    policy = EgressPolicy.parse(
+        allow_internet=False,
+        allow_out=["allowed.example", "*.wild.example", OTHER_PUBLIC],
+        rules={
+            "allowed.example": [{"transform": {"headers": header}}],
+            OTHER_PUBLIC: [{"transform": {"headers": {"X-Net": "n-${e2b.secrets.tok}"}}}],
+        },
+    )
+    net = await manager.create(46, policy=policy)
+    guest = await asyncio.to_thread(_attach_fake_guest, net)
+    with _far_servers(internet, (80, 443), shown=4096):
+
+        def exchange(address: str, port: int, payload: bytes) -> str | None:
+            return _guest_exchange(guest, address, port, payload)
+
+        guest_request = (
+            b"POST /v1 HTTP/1.1\r\nHost: allowed.example\r\nauthorization: guest-made\r\n"
+            b"Content-Length: 2\r\n\r\nhi"
+        )
+        # Sent to any address, it goes where the filter resolved the name, with the header.
+        answer = await asyncio.to_thread(exchange, METADATA, 80, guest_request)
+        assert answer is not None and answer.startswith(PUBLIC)
+        received = _received(answer)
+        assert f"Authorization: Bearer {SECRET_VALUE}".encode() in received.split(b"\r\n")
+        assert b"guest-made" not in received and received.endswith(b"\r\n\r\nhi")
+        assert b"Connection: close" in received
+        # A network rule: by the address connected to, whatever the Host says.
+        received = _received(await asyncio.to_thread(exchange, OTHER_PUBLIC, 80, _http("x.y")))
+        assert f"X-Net: n-{SECRET_VALUE}".encode() in received
+        # No rule for the name: unchanged. TLS: relayed untouched.
+        unchanged = _http("api.wild.example")
+        assert _received(await asyncio.to_thread(exchange, PUBLIC, 80, unchanged)) == unchanged
+        hello = _client_hello("allowed.example")
+        assert _received(await asyncio.to_thread(exchange, PUBLIC, 443, hello)) == hello[:4096]
+
+        # A rule whose secret does not resolve: the request never leaves.
+        gone = "${e2b.secrets.gone}"
+        await manager.update_policy(
+            46,
+            EgressPolicy.parse(
+                allow_internet=False,
+                allow_out=["allowed.example"],
+                rules={"allowed.example": [{"transform": {"headers": {"X": gone}}}]},
+            ),
+        )
+        assert await asyncio.to_thread(exchange, PUBLIC, 80, _http("allowed.example")) is None
+    await manager.destroy(46)
 
 
 # -- a host without a default route ----------------------------------------------------------

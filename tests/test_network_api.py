@@ -113,7 +113,7 @@ async def test_create_defaults_are_e2bs(api: httpx.AsyncClient, node: Node) -> N
     ("network", "named"),
     [
         ({"egressProxy": {"address": "proxy.example.com:1080"}}, "network.egressProxy"),
-        ({"rules": {"api.example.com": [{"transform": {}}]}}, "network.rules"),
+        ({"rules": {"api.example.com": [{"transform": {"headers": {"X": "y"}}}]}}, "rules"),
         ({"httpsPorts": [3000]}, "network.httpsPorts"),
         ({"somethingNew": True}, "network.somethingNew"),
         ({"allowOut": ["not a host!"]}, "allowOut"),
@@ -176,7 +176,7 @@ async def test_update_refusals(api: httpx.AsyncClient, node: Node) -> None:
     for body, named in [
         ({"allowOut": ["::1"]}, "allowOut"),
         ({"egressProxy": {"address": "p:1080"}}, "egressProxy"),
-        ({"rules": {"a.example.com": []}}, "rules"),
+        ({"rules": {"a.example.com": [{"transform": {"headers": {"X": "y"}}}]}}, "rules"),
         ({"allowPublicTraffic": False}, "allowPublicTraffic"),
     ]:
         refused = await api.put(url, json=body)

@@ -49,7 +49,13 @@ from agentenv.vmm.cgroups import VmmCgroups
 from agentenv.vmm.confine import Confinement, VmmJail
 from agentenv.vmm.process import read_cmdline
 from agentenv.vmm.qemu import QemuDriver
-from agentenv.vmm.qemu_vm import QemuVM
+from agentenv.vmm.qemu_vm import (
+    LEGACY_MACHINE,
+    MACHINE,
+    QemuVM,
+    machine_of_argv,
+    machine_of_snapshot,
+)
 
 # -- accelerator probe (pure logic over a fake root) -------------------------------------
 
@@ -160,7 +166,8 @@ def test_argv_tcg_boot(tmp_path: Path) -> None:
     argv = QemuDriver(tb_size_mib=32).build_argv(spec, tmp_path / "w")
     line = " ".join(argv)
     assert argv[0] == "qemu-system-x86_64"
-    assert "-M microvm,memory-backend=mem0" in line
+    # No PIT: QEMU would wake ~36 times a second to run a counter nobody reads.
+    assert "-M microvm,pit=off,memory-backend=mem0" in line
     assert "-accel tcg,tb-size=32 -cpu max" in line
     assert "-smp 2 -m 256M" in line
     assert f"mem-path={tmp_path}/ram,share=on" in line
@@ -178,6 +185,19 @@ def test_argv_tcg_boot(tmp_path: Path) -> None:
     assert line.index("drive=root") < line.index("drive=tools")
     assert "-device virtio-balloon-device" in line
     assert "-incoming" not in argv and "-S" not in argv
+
+
+def test_machine_options_of_snapshots_and_command_lines(tmp_path: Path) -> None:
+    assert machine_of_snapshot({"machine": MACHINE}) == MACHINE
+    # Snapshots from before the PIT was removed recorded the bare type, or nothing.
+    assert machine_of_snapshot({"machine": "microvm"}) == LEGACY_MACHINE == "microvm"
+    assert machine_of_snapshot({}) == LEGACY_MACHINE
+    with pytest.raises(SnapshotIncompatible, match="pc-q35"):
+        machine_of_snapshot({"machine": "pc-q35"})
+    driver = QemuDriver()
+    for machine in (MACHINE, LEGACY_MACHINE):
+        argv = driver.build_argv(_plain_spec(tmp_path), tmp_path / "w", machine=machine)
+        assert machine_of_argv(argv) == machine
 
 
 def test_argv_kvm_restore_and_private_ram(tmp_path: Path) -> None:
@@ -745,6 +765,42 @@ async def test_full_save_of_private_ram_then_restore(lab: Lab) -> None:
         assert {g for _, _, g in lines} == {"CHILDA"}
     finally:
         await restored.kill()
+
+
+@vm_test
+async def test_snapshots_restore_into_the_machine_they_were_made_on(lab: Lab) -> None:
+    assert lab.shared_snapshot is not None and lab.shared_snapshot.memory_file is not None
+    assert lab.shared_snapshot.meta["machine"] == MACHINE
+    # A machine with the PIT, as every node made them before: restoring into it works
+    # (QEMU leaves a device the stream does not mention in its reset state), and its
+    # own snapshot then carries the PIT's state and says which machine it needs.
+    old = replace(lab.shared_snapshot, meta={**lab.shared_snapshot.meta, "machine": "microvm"})
+    spec = lab.child_spec("legacy", "LEGACY", lab.shared_snapshot.memory_file, shared=False)
+    vm = await lab.driver.restore(spec, old, lab.root / "legacy")
+    try:
+        assert "microvm,memory-backend=mem0" in read_cmdline(vm.pid)
+        await _wait_lines(vm.console_log, 1)
+        legacy = await vm.save_state(lab.root / "snap-legacy")
+    finally:
+        await vm.kill()
+    assert legacy.meta["machine"] == LEGACY_MACHINE
+    token, last, _ = _ready_lines(vm.console_log)[-1]
+
+    back_spec = replace(spec, memory_file=lab.root / "legacy-back.ram")
+    # A machine without the PIT cannot take that stream...
+    wrong = replace(legacy, meta={**legacy.meta, "machine": MACHINE})
+    with pytest.raises(VMMStartError, match="restoring"):
+        await lab.driver.restore(back_spec, wrong, lab.root / "legacy-wrong")
+    # ...the machine it recorded can, and a re-attached handle knows which one it runs.
+    back = await lab.driver.restore(back_spec, legacy, lab.root / "legacy-back")
+    try:
+        lines = await _wait_lines(back.console_log, 1)
+        assert lines[0][0] == token and lines[0][1] == last + 1
+        await back.close()
+        back = await lab.driver.attach(lab.root / "legacy-back")
+        assert back.machine == LEGACY_MACHINE
+    finally:
+        await back.kill()
 
 
 @vm_test

@@ -51,6 +51,7 @@ from agentenv.api.models import (
 )
 from agentenv.api.network import create_options, network_info, updated_egress
 from agentenv.api.params import SandboxId, TemplateRef
+from agentenv.api.secrets import secret_routes
 from agentenv.api.templates import UPLOAD_PATH, template_routes
 from agentenv.cluster.heartbeat import Heartbeat
 from agentenv.limits import (
@@ -142,6 +143,7 @@ def create_app(
 
     authed = [Depends(require_api_key)]
     app.include_router(template_routes(orchestrator, builds, api_key, authed))
+    app.include_router(secret_routes(orchestrator, authed))
 
     def sandbox_body(view: SandboxView) -> Sandbox:
         rec = view.record
@@ -235,6 +237,7 @@ def create_app(
 
     async def _create(body: NewSandbox, secure: bool, idempotency_key: str | None) -> Sandbox:
         network = create_options(body)
+        await orchestrator.secrets.require(network.egress.secret_names)
 
         async def create() -> Sandbox:
             view = await orchestrator.create(
@@ -347,7 +350,9 @@ def create_app(
     async def update_network(sandbox_id: SandboxId, body: NetworkUpdate) -> Response:
         """Replace a running sandbox's egress rules (e2b's ``Sandbox.update_network``);
         what the body leaves out is cleared. 409 while the sandbox is paused."""
-        await orchestrator.update_network(sandbox_id, updated_egress(body))
+        egress = updated_egress(body)
+        await orchestrator.secrets.require(egress.secret_names)
+        await orchestrator.update_network(sandbox_id, egress)
         return Response(status_code=204)
 
     @app.post(

@@ -43,6 +43,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     # The alias lookup route answers 404, unlike a create's unknown template.
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,
     ErrorCode.TAG_NOT_FOUND: 404,
+    ErrorCode.SECRET_NOT_FOUND: 404,
 }
 
 _DESCRIPTIONS = {

@@ -213,6 +213,8 @@ class NetworkInfo(BaseModel):
     deny_out: list[str] = Field(alias="denyOut")
     dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
     mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    # Header transforms, their secret placeholders unresolved (never a secret's value).
+    rules: dict[str, list[dict[str, Any]]] | None = None
 
 
 class AutoResume(BaseModel):
@@ -572,3 +574,37 @@ class TemplateAliasResponse(BaseModel):
 
     template_id: str = Field(alias="templateID")
     public: bool = False
+
+
+# -- secrets -------------------------------------------------------------------------------
+class NewSecret(BaseModel):
+    """Body of ``POST /secrets`` (e2b's ``NewSecret``). The value is write-only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    value: str = Field(repr=False)
+    metadata: dict[str, str] | None = None
+
+
+class SecretUpdate(BaseModel):
+    """Body of ``POST /secrets/{secret}``: a new value (the next version), and metadata
+    that replaces the old when given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    value: str = Field(repr=False)
+    metadata: dict[str, str] | None = None
+
+
+class SecretInfo(BaseModel):
+    """A secret as every route shows it: never its value."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    secret_id: str = Field(alias="secretID")
+    name: str
+    current_version: int = Field(alias="currentVersion")
+    metadata: dict[str, str]
+    created_at: datetime = Field(alias="createdAt")
+    updated_at: datetime = Field(alias="updatedAt")

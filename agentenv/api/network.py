@@ -15,10 +15,9 @@ from agentenv.network.policy import EgressPolicy, PolicyError
 from agentenv.orchestrator.errors import InvalidRequest
 from agentenv.orchestrator.network_options import NetworkOptions, parse_mask_request_host
 
-# Options e2b's SDK can send that nothing here implements. (``rules`` rewrite egress
-# HTTP requests, ``egressProxy`` tunnels egress through SOCKS5, ``httpsPorts`` makes the
-# proxy speak TLS to a port.)
-_UNSUPPORTED = {"egress_proxy": "egressProxy", "rules": "rules", "https_ports": "httpsPorts"}
+# Options e2b's SDK can send that nothing here implements. (``egressProxy`` tunnels
+# egress through SOCKS5, ``httpsPorts`` makes the proxy speak TLS to a port.)
+_UNSUPPORTED = {"egress_proxy": "egressProxy", "https_ports": "httpsPorts"}
 
 
 def _refuse_unsupported(body: BaseModel, where: str) -> None:
@@ -41,6 +40,7 @@ def _egress(
     allow_out: list[str] | None,
     deny_out: list[str] | None,
     dns_servers: list[str] | None,
+    rules: object,
 ) -> EgressPolicy:
     if dns_servers is not None and not dns_servers:
         # E2B reads an empty list as "no DNS server at all", which the host's egress
@@ -52,6 +52,7 @@ def _egress(
             allow_out=allow_out,
             deny_out=deny_out,
             dns_servers=dns_servers,
+            rules=rules,
         )
     except PolicyError as exc:
         raise InvalidRequest(str(exc)) from exc
@@ -68,6 +69,7 @@ def create_options(body: NewSandbox) -> NetworkOptions:
         network.allow_out,
         network.deny_out,
         network.dns_servers,
+        network.rules,
     )
     mask = network.mask_request_host
     if mask is not None:
@@ -87,7 +89,11 @@ def updated_egress(body: NetworkUpdate) -> EgressPolicy:
     leaves out goes back to E2B's default (``allow_internet_access`` too)."""
     _refuse_unsupported(body, "")
     return _egress(
-        body.allow_internet_access is not False, body.allow_out, body.deny_out, body.dns_servers
+        body.allow_internet_access is not False,
+        body.allow_out,
+        body.deny_out,
+        body.dns_servers,
+        body.rules,
     )
 
 
@@ -100,4 +106,5 @@ def network_info(options: NetworkOptions) -> NetworkInfo:
         denyOut=[str(rule) for rule in egress.deny_out],
         dnsServers=[str(server) for server in egress.dns_servers] or None,
         maskRequestHost=options.mask_request_host,
+        rules=egress.rules_dict() or None,
     )

@@ -13,7 +13,9 @@ scheduler, so several gateways can run against one scheduler.
   healthy node (the same one while it is up, so a template build's polls find it).
 - Sandbox traffic (``E2b-Sandbox-Id`` headers, ``{port}-{id}.{domain}`` hosts) is relayed
   to the owning node's proxy as it came (headers and Host kept), streaming both ways,
-  WebSockets included; the node's proxy checks tokens and reaches the guest.
+  WebSockets included; the node's proxy checks tokens and reaches the guest. A signed
+  ``/files`` URL naming no sandbox goes to the node whose sandbox signed it
+  (``signed_files``).
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
   404; a scheduler that cannot be reached is a 503 too.
 
@@ -54,6 +56,7 @@ from agentenv.cluster.scheduler_client import (
     SchedulerRefused,
     SchedulerUnavailable,
 )
+from agentenv.cluster.signed_files import signer_node
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
 from agentenv.proxy.forward import (
     HOP_BY_HOP,
@@ -65,6 +68,7 @@ from agentenv.proxy.forward import (
     target_of,
     upstream_to_client,
 )
+from agentenv.proxy.signed import is_files_request
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
@@ -220,6 +224,14 @@ class Gateway:
                 self._routes.pop(target.sandbox_id, None)
                 raise
         path = request.url.path
+        if is_files_request(request.scope.get("raw_path") or path.encode()):
+            query: bytes = request.scope.get("query_string", b"")
+            found = await signer_node(self.http, await self._up_nodes(), query, request.method)
+            return (
+                found.response()
+                if isinstance(found, Refusal)
+                else await self._relay(request, found)
+            )
         if path == "/health":
             return await self._health()
         if path == "/nodes" or path.startswith("/nodes/"):

@@ -39,7 +39,7 @@ def node_report(orchestrator: Orchestrator, config: Config) -> NodeReport:
     paused = [view.record for view in sandboxes if view.state == "paused"]
     return NodeReport(
         nodeID=status.node,
-        url=config.node_url or f"http://{config.listen}",
+        url=config.node_url or config.url,
         version=__version__,
         cpuCount=os.cpu_count() or 1,
         memoryMib=host_memory_mib(),

@@ -16,17 +16,13 @@ encoding, 416 bad range, 507 out of space.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
-import hashlib
-import hmac
 import json
 import mimetypes
 import os
 import secrets
 import stat
-import time
 import urllib.parse
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -51,6 +47,7 @@ from .multipart import (
     boundary_from_content_type,
     parse_header_params,
 )
+from .signatures import SignatureRefused, SignedFileRequest, query_params
 from .state import EnvdState
 from .users import OSUser, UnknownUserError, lookup_user
 from .watchers import staging_name
@@ -64,7 +61,6 @@ Send = Callable[[Message], Awaitable[None]]
 FILE_FIELD = "file"
 METADATA_HEADER_PREFIX = "x-metadata-"
 METADATA_XATTR_PREFIX = "user.e2b."
-SIGNATURE_PREFIX = "v1_"
 
 
 class FileRequestError(Exception):
@@ -96,28 +92,13 @@ def os_error_response(e: OSError, path: str) -> FileRequestError:
     return FileRequestError(500, f"{path!r}: {reason}")
 
 
-def file_signature(
-    path: str, operation: str, username: str, token: str, expiration: str | None
-) -> str:
-    """E2B's v1 signature for a /files URL (``operation`` is ``read`` or ``write``)."""
-    raw = f"{path}:{operation}:{username}:{token}"
-    if expiration is not None:
-        raw += f":{expiration}"
-    digest = hashlib.sha256(raw.encode()).digest()
-    return SIGNATURE_PREFIX + base64.b64encode(digest).decode().rstrip("=")
-
-
 @dataclass(frozen=True, slots=True)
 class _Query:
     params: dict[str, str]
 
     @classmethod
     def parse(cls, scope: Scope) -> _Query:
-        raw: bytes = scope.get("query_string", b"")
-        pairs = urllib.parse.parse_qsl(
-            raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8", errors="replace"
-        )
-        return cls(dict(pairs))  # the last value of a repeated key wins
+        return cls(query_params(scope.get("query_string", b"")))
 
     def get(self, key: str) -> str | None:
         return self.params.get(key)
@@ -159,22 +140,13 @@ class FileTransfer:
             if not self._state.token_matches(presented):
                 raise FileRequestError(401, "invalid access token")
             return
-        signature = query.get("signature")
-        if not signature:
+        signed = SignedFileRequest.of(query.params, operation)
+        if signed is None:
             raise FileRequestError(401, "missing access token or signature")
-        expiration = query.get("signature_expiration")
-        if expiration is not None:
-            try:
-                expires_at = int(expiration)
-            except ValueError:
-                raise FileRequestError(401, "invalid signature expiration") from None
-            if expires_at < time.time():
-                raise FileRequestError(401, "signature has expired")
-        expected = file_signature(
-            query.get("path") or "", operation, query.get("username") or "", token, expiration
-        )
-        if not hmac.compare_digest(signature.encode(), expected.encode()):
-            raise FileRequestError(401, "invalid signature")
+        try:
+            signed.verify(token)
+        except SignatureRefused as e:
+            raise FileRequestError(401, str(e)) from None
 
     def _user(self, query: _Query) -> OSUser:
         name = query.get("username") or self._state.default_user

@@ -44,6 +44,7 @@ async def serve(options: ServerOptions) -> None:
 
     from .app import create_app
     from .processes import ProcessRegistry
+    from .quiet import QuietServer
     from .state import EnvdState
 
     state = (
@@ -63,9 +64,10 @@ async def serve(options: ServerOptions) -> None:
         log_level=options.log_level,
         access_log=False,
         server_header=False,
+        date_header=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = QuietServer(config)
     try:
         await server.serve(sockets=sockets)
     finally:

@@ -50,6 +50,10 @@ def kernel_cmdline(extra: Mapping[str, str] | None = None, *, tsc_khz: int | Non
         "tsc": "reliable",
         # A guest panic reboots at once (triple fault, no ACPI needed); the VMM runs QEMU
         # with -no-reboot, so the VM exits instead of hanging.
+        # The soft-lockup watchdog wakes every CPU every 4 s (an idle guest's wakeups are
+        # the node's CPU), and under TCG on a busy node it reports lockups that are only
+        # the host's scheduling.
+        "nowatchdog": "",
         "panic": "-1",
         "reboot": "t",
         "aenv.ip": f"{GUEST_IP}/{GUEST_PREFIX}",

@@ -37,6 +37,11 @@ PACKAGES: tuple[str, ...] = (
     "sudo",
     "git",
     "python3",
+    # E2B's base image has `python` and `pip`, and `python -m venv` works there.
+    "python-is-python3",
+    "python3-pip",
+    "python3-venv",
+    "jq",
     "xz-utils",
     "unzip",
     "tar",

@@ -19,6 +19,16 @@ How a connection is decided, in the policy's order:
    port (``allow_out`` networks, blocked ranges), except that a ``deny_out`` host-name
    rule matching the name refuses it first.
 
+3. Network ``rules`` (:class:`~agentenv.network.policy.HeaderRule`) then add their headers
+   to a plain-HTTP request: a host-name rule only to a connection allowed in step 1 (the
+   filter resolved the name itself, so the headers reach that host whatever the guest
+   put in ``Host``), a network rule only when the address connected to is in it. Secret
+   placeholders are resolved here, on the host, per connection (``secret``); the request
+   goes out with ``Connection: close``, so each request of the guest's is a connection of
+   its own and gets the headers. A placeholder that does not resolve closes the
+   connection. TLS connections are relayed untouched: adding headers to HTTPS would need
+   the guest to trust a certificate authority of ours, which it does not.
+
 Connections go out from sockets made inside the sandbox's namespace, so the namespace's
 ``guard`` chain refuses the blocked ranges again, whatever the filter decided, and the host
 masquerades them like the guest's own traffic. A refused connection is closed without a
@@ -31,9 +41,10 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import h11
@@ -41,17 +52,19 @@ import h11
 from agentenv.network.addresses import GUEST_GATEWAY
 from agentenv.network.egress_rules import FILTER_PORT, BlockedRanges, decide_address
 from agentenv.network.namespaces import call_in_namespace
-from agentenv.network.policy import EgressPolicy
+from agentenv.network.policy import EgressPolicy, HeaderRule, render_header_value
 
 __all__ = [
     "EgressFilter",
     "IncompleteName",
     "Resolver",
+    "SecretLookup",
     "Verdict",
     "decide_connection",
     "name_of",
     "read_host_name",
     "resolve_on_host",
+    "rewrite_request_head",
     "server_name_of",
 ]
 
@@ -184,6 +197,60 @@ def decide_connection(
     return Verdict(False)
 
 
+# -- rules: adding headers ---------------------------------------------------------------
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+# Never the guest's: the filter closes each transformed connection after one request.
+_CONNECTION_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection"})
+
+
+class TransformRefused(Exception):
+    """A request the rules apply to could not be given its headers."""
+
+
+def rewrite_request_head(data: bytes, headers: Sequence[tuple[str, str]]) -> bytes | None:
+    """`data` (an HTTP/1 request head and what followed it) with `headers` set,
+    replacing the guest's of the same names, and ``Connection: close``; None if `data`
+    does not start with a complete request head."""
+    end = _HEAD_END.search(data)
+    if end is None:
+        return None
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=_FIRST_BYTES_LIMIT)
+    connection.receive_data(data[: end.end()])
+    try:
+        event = connection.next_event()
+    except h11.RemoteProtocolError:
+        return None
+    if not isinstance(event, h11.Request):
+        return None
+    replaced = {name.lower().encode() for name, _ in headers} | _CONNECTION_HEADERS
+    lines = [b"%s %s HTTP/%s" % (event.method, event.target, event.http_version)]
+    lines += [
+        name + b": " + value
+        for name, value in event.headers.raw_items()
+        if name.lower() not in replaced
+    ]
+    lines += [name.encode() + b": " + value.encode() for name, value in headers]
+    lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + data[end.end() :]
+
+
+def _rule_applies(
+    rule: HeaderRule, verdict: Verdict, name: str | None, address: ipaddress.IPv4Address | None
+) -> bool:
+    if rule.target.network is not None:
+        return address is not None and address in rule.target.network
+    return verdict.resolve is not None and name is not None and rule.target.matches_host(name)
+
+
+#: Gives a secret's value by name (``${e2b.secrets.<name>}`` in a rule's header).
+SecretLookup = Callable[[str], Awaitable[str]]
+
+
+async def _no_secrets(name: str) -> str:
+    raise LookupError("this filter has no secrets to resolve placeholders with")
+
+
 # -- serving -------------------------------------------------------------------------------
 
 
@@ -242,8 +309,11 @@ class EgressFilter:
     """The filter for every sandbox of one :class:`NetworkManager`, keyed by slot.
     ``resolve`` turns an allowed host name into the addresses to connect to."""
 
-    def __init__(self, resolve: Resolver = resolve_on_host) -> None:
+    def __init__(
+        self, resolve: Resolver = resolve_on_host, secret: SecretLookup = _no_secrets
+    ) -> None:
         self.resolve = resolve
+        self.secret = secret
         self._sandboxes: dict[int, _Sandbox] = {}
 
     def serving(self, slot: int) -> bool:
@@ -313,15 +383,72 @@ class EgressFilter:
             if not verdict.allowed:
                 log.info("%s: refused %s:%d (name %r)", sandbox.namespace, destination, port, name)
                 return
+            rendered = await self._rendered_rules(sandbox, verdict, name, first)
             upstream_reader, upstream = await self._connect(sandbox, verdict, port)
-            upstream.write(first)
+            upstream.write(self._transformed(rendered, verdict, name, upstream, first))
             await _relay(reader, writer, upstream_reader, upstream)
         except (OSError, asyncio.IncompleteReadError) as exc:  # timeouts are OSErrors
             log.debug("%s: filtered connection ended: %s", sandbox.namespace, exc)
+        except TransformRefused as exc:
+            log.warning("%s: refused a request to %r: %s", sandbox.namespace, name, exc)
         finally:
             for stream in (writer, upstream):
                 if stream is not None:
                     stream.close()
+
+    async def _rendered_rules(
+        self, sandbox: _Sandbox, verdict: Verdict, name: str | None, first: bytes
+    ) -> list[tuple[HeaderRule, list[tuple[str, str]]]]:
+        """The rules that may apply to this connection, their header values resolved
+        before anything is sent upstream (a network rule is decided only once the
+        address is known: see :meth:`_transformed`)."""
+        if not sandbox.policy.header_rules or first[:1] == b"\x16":
+            return []  # no rules, or TLS: relayed untouched
+        rendered = []
+        for rule in sandbox.policy.header_rules:
+            if rule.target.network is not None:
+                if verdict.address is not None and verdict.address not in rule.target.network:
+                    continue
+            elif not _rule_applies(rule, verdict, name, None):
+                continue
+            headers = []
+            for header, template in rule.headers:
+                try:
+                    value = await render_header_value(template, self.secret)
+                except Exception as exc:
+                    raise TransformRefused(
+                        f"header {header!r}: a secret it names is unavailable: {exc}"
+                    ) from None
+                if any(ch in value for ch in "\r\n\0"):
+                    raise TransformRefused(f"header {header!r}: its value has a line break")
+                headers.append((header, value))
+            rendered.append((rule, headers))
+        return rendered
+
+    @staticmethod
+    def _transformed(
+        rendered: list[tuple[HeaderRule, list[tuple[str, str]]]],
+        verdict: Verdict,
+        name: str | None,
+        upstream: asyncio.StreamWriter,
+        first: bytes,
+    ) -> bytes:
+        """`first` with the headers of the `rendered` rules that apply to the address
+        connected to (see the module docstring), or as it is."""
+        if not rendered:
+            return first
+        peer = upstream.get_extra_info("peername")
+        address = ipaddress.IPv4Address(peer[0]) if peer else None
+        headers: dict[str, tuple[str, str]] = {}
+        for rule, values in rendered:
+            if _rule_applies(rule, verdict, name, address):
+                headers.update((header.lower(), (header, value)) for header, value in values)
+        if not headers:
+            return first
+        rewritten = rewrite_request_head(first, list(headers.values()))
+        if rewritten is None:
+            raise TransformRefused("not an HTTP/1 request head")
+        return rewritten
 
     async def _connect(
         self, sandbox: _Sandbox, verdict: Verdict, port: int

@@ -104,7 +104,7 @@ def needs_uplink(policy: EgressPolicy) -> bool:
     return bool(
         policy.allow_internet
         or policy.dns_servers
-        or policy.has_hostname_rules
+        or policy.needs_filter
         or any(rule.network is not None for rule in policy.allow_out)
     )
 
@@ -146,7 +146,7 @@ def egress_rules(policy: EgressPolicy, blocked: BlockedRanges) -> list[str]:
 def intercept_rules(policy: EgressPolicy) -> list[str]:
     """The rules of the ``intercept`` chain: guest TCP to :data:`FILTERED_PORTS` goes to
     the host-name filter when the policy needs one, else nothing is redirected."""
-    if not policy.has_hostname_rules:
+    if not policy.needs_filter:
         return []
     ports = _set(FILTERED_PORTS)
     return [f"ip saddr {GUEST_IP} tcp dport {ports} redirect to :{FILTER_PORT}"]

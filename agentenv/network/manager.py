@@ -48,7 +48,7 @@ from agentenv.network.addresses import (
     GUEST_PREFIX,
     TAP_NAME,
 )
-from agentenv.network.egress_filter import EgressFilter
+from agentenv.network.egress_filter import EgressFilter, SecretLookup
 from agentenv.network.egress_rules import (
     NAMESPACE_TABLE,
     BlockedRanges,
@@ -149,6 +149,11 @@ class NetworkManager:
         # Relays the connections of sandboxes whose policy has host-name rules.
         self.egress_filter = EgressFilter()
 
+    def resolve_secrets_with(self, secret: SecretLookup) -> None:
+        """Where the egress filter gets the values of secrets that network ``rules``
+        headers name (``${e2b.secrets.<name>}``); without it such headers are refused."""
+        self.egress_filter.secret = secret
+
     # -- names and addresses --------------------------------------------------------------
 
     def describe(self, slot: int) -> SandboxNetwork:
@@ -192,7 +197,7 @@ class NetworkManager:
                 blocked = await _run_blocking(self._build_namespace, net, policy)
                 if needs_uplink(policy):
                     await self._add_internet_access(slot, net)
-                if policy.has_hostname_rules:
+                if policy.needs_filter:
                     await self.egress_filter.serve(slot, net.netns, policy, blocked)
             except BaseException as exc:
                 await asyncio.shield(self._rollback(slot))
@@ -223,10 +228,10 @@ class NetworkManager:
             # namespace redirects to it, and stops after it no longer does.
             if needs_uplink(policy):
                 await self._add_internet_access(slot, net)
-            if policy.has_hostname_rules:
+            if policy.needs_filter:
                 await self.egress_filter.serve(slot, net.netns, policy, blocked)
             await _run_blocking(self._replace_policy_chains, net, policy, blocked)
-            if not policy.has_hostname_rules:
+            if not policy.needs_filter:
                 await self.egress_filter.stop(slot)
             if not needs_uplink(policy):
                 await self._remove_internet_access(slot)

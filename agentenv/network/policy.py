@@ -20,6 +20,13 @@ default):
 4. Otherwise ``allow_internet`` decides. ``allow_internet=False`` behaves as a
    ``deny_out`` of ``0.0.0.0/0``.
 
+``rules`` (E2B's per-host transforms) add headers to plain-HTTP requests the egress filter
+relays (:class:`HeaderRule`); their values may name secrets as ``${e2b.secrets.<name>}``,
+which the filter resolves on the host, so the guest never holds them. A rule's target must
+also be allowed by ``allow_out`` (a host name by a host-name entry, a network by a network
+entry): the filter only adds headers to a connection it resolved the name of itself, or
+whose destination the rule names, never on the guest's word alone.
+
 DNS (UDP and TCP port 53) goes only to ``dns_servers`` when any are given (even inside
 the blocked ranges: naming a server is explicit). Otherwise it is decided like any other
 traffic, except that a policy with host-name rules also lets DNS out to the guest's
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +45,10 @@ __all__ = [
     "ALWAYS_BLOCKED",
     "EgressPolicy",
     "EgressRule",
+    "HeaderRule",
     "PolicyError",
     "parse_rule",
+    "render_header_value",
 ]
 
 # Refused unless an allow_out network entry names them (rule 2 above). The host's own
@@ -124,6 +133,121 @@ def _parse_rules(entries: Iterable[str] | None, field: str) -> tuple[EgressRule,
     return rules
 
 
+# -- rules: header transforms ------------------------------------------------------------
+
+# An HTTP field name (RFC 9110 token).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
+# Headers that frame the request or the connection: the filter relays the body as the
+# guest framed it, so these stay the guest's.
+_FRAMING_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te"}
+)
+_MAX_HEADER_VALUE = 8192
+MAX_HEADER_RULES = 64
+# ${e2b.<kind>.<name>}: a placeholder the filter resolves; only secrets are supported.
+_PLACEHOLDER = re.compile(r"\$\{e2b\.([a-z]+)\.([^}]*)\}")
+_SECRET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class HeaderRule:
+    """One transform of ``rules``: headers set on plain-HTTP requests to `target` (a
+    host name, ``*.`` for subdomains, or a network), replacing the guest's headers of
+    the same names. Values are kept with their placeholders unresolved."""
+
+    target: EgressRule
+    headers: tuple[tuple[str, str], ...]
+
+    @property
+    def secret_names(self) -> tuple[str, ...]:
+        return tuple(
+            match.group(2) for _, value in self.headers for match in _PLACEHOLDER.finditer(value)
+        )
+
+
+async def render_header_value(template: str, secret: Callable[[str], Awaitable[str]]) -> str:
+    """`template` with every ``${e2b.secrets.<name>}`` replaced by ``await secret(name)``."""
+    parts: list[str] = []
+    last = 0
+    for match in _PLACEHOLDER.finditer(template):
+        parts.append(template[last : match.start()])
+        parts.append(await secret(match.group(2)))
+        last = match.end()
+    parts.append(template[last:])
+    return "".join(parts)
+
+
+def _parse_header_value(value: object, where: str) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_HEADER_VALUE:
+        raise PolicyError("rules", f"{where}: a string of at most {_MAX_HEADER_VALUE} characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise PolicyError("rules", f"{where}: not valid Unicode text") from None
+    if any((ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F for ch in value):
+        raise PolicyError("rules", f"{where}: control characters cannot go into a header")
+    for match in _PLACEHOLDER.finditer(value):
+        kind, name = match.groups()
+        if kind == "identity":
+            raise PolicyError(
+                "rules", f"{where}: workload identity tokens (e2b.identity) are not supported"
+            )
+        if kind != "secrets" or not _SECRET_NAME.fullmatch(name):
+            raise PolicyError("rules", f"{where}: {match.group(0)!r} is not a secret placeholder")
+    return value
+
+
+def _parse_header_rules(rules: object) -> tuple[HeaderRule, ...]:
+    """``rules`` as the API gives it: ``{target: [{"transform": {"headers": {...}}}]}``."""
+    if rules is None:
+        return ()
+    if not isinstance(rules, Mapping):
+        raise PolicyError("rules", "must map host names or networks to lists of rules")
+    parsed: list[HeaderRule] = []
+    for key, entries in rules.items():
+        target = parse_rule(key, "rules")
+        if not isinstance(entries, list):
+            raise PolicyError("rules", f"{key}: must be a list of rules")
+        for entry in entries:
+            if not isinstance(entry, Mapping) or set(entry) - {"transform"}:
+                raise PolicyError("rules", f"{key}: a rule has only a 'transform'")
+            transform = entry.get("transform") or {}
+            if not isinstance(transform, Mapping) or set(transform) - {"headers"}:
+                raise PolicyError("rules", f"{key}: a transform has only 'headers'")
+            headers = transform.get("headers") or {}
+            if not isinstance(headers, Mapping):
+                raise PolicyError("rules", f"{key}: headers must map names to values")
+            pairs = []
+            for name, value in headers.items():
+                if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+                    raise PolicyError("rules", f"{key}: {name!r} is not a header name")
+                if name.lower() in _FRAMING_HEADERS:
+                    raise PolicyError("rules", f"{key}: header {name!r} cannot be set")
+                pairs.append((name, _parse_header_value(value, f"{key}: header {name!r}")))
+            if pairs:
+                parsed.append(HeaderRule(target, tuple(pairs)))
+    if len(parsed) > MAX_HEADER_RULES:
+        raise PolicyError("rules", f"at most {MAX_HEADER_RULES} transforms")
+    return tuple(parsed)
+
+
+def _allowed_target(target: EgressRule, allow_out: tuple[EgressRule, ...]) -> bool:
+    """Whether ``allow_out`` lets the filter trust connections to `target`: a host name
+    covered by a host-name entry, a network inside a network entry."""
+    if target.network is not None:
+        return any(
+            rule.network is not None and target.network.subnet_of(rule.network)
+            for rule in allow_out
+        )
+    assert target.hostname is not None
+    bare = target.hostname.removeprefix("*.")
+    return any(
+        rule.hostname == target.hostname
+        or ((rule.hostname or "").startswith("*.") and rule.matches_host(bare))
+        for rule in allow_out
+    )
+
+
 def _parse_dns_servers(entries: Iterable[str] | None) -> tuple[ipaddress.IPv4Address, ...]:
     servers = []
     for entry in entries or ():
@@ -148,6 +272,7 @@ class EgressPolicy:
     allow_out: tuple[EgressRule, ...] = ()
     deny_out: tuple[EgressRule, ...] = ()
     dns_servers: tuple[ipaddress.IPv4Address, ...] = field(default=())
+    header_rules: tuple[HeaderRule, ...] = ()
 
     @classmethod
     def parse(
@@ -157,20 +282,50 @@ class EgressPolicy:
         allow_out: Iterable[str] | None = None,
         deny_out: Iterable[str] | None = None,
         dns_servers: Iterable[str] | None = None,
+        rules: object = None,
     ) -> EgressPolicy:
         """The policy the API options describe; :class:`PolicyError` names the first
         option that cannot be enforced."""
+        allowed = _parse_rules(allow_out, "allowOut")
+        header_rules = _parse_header_rules(rules)
+        for rule in header_rules:
+            if not _allowed_target(rule.target, allowed):
+                raise PolicyError(
+                    "rules",
+                    f"{rule.target}: must also be allowed by allowOut (a host name by a host "
+                    "name entry, a network by a network entry) for headers to be added",
+                )
         return cls(
             allow_internet=allow_internet,
-            allow_out=_parse_rules(allow_out, "allowOut"),
+            allow_out=allowed,
             deny_out=_parse_rules(deny_out, "denyOut"),
             dns_servers=_parse_dns_servers(dns_servers),
+            header_rules=header_rules,
         )
 
     @property
     def has_hostname_rules(self) -> bool:
         """Whether deciding needs the host name a connection is for (SNI or ``Host``)."""
         return any(rule.hostname is not None for rule in (*self.allow_out, *self.deny_out))
+
+    @property
+    def needs_filter(self) -> bool:
+        """Whether guest web traffic goes through the host's egress filter: to decide
+        it by host name, or to add ``rules`` headers to it."""
+        return self.has_hostname_rules or bool(self.header_rules)
+
+    @property
+    def secret_names(self) -> tuple[str, ...]:
+        """The secrets ``rules`` name, in order, without repeats."""
+        return tuple(dict.fromkeys(n for rule in self.header_rules for n in rule.secret_names))
+
+    def rules_dict(self) -> dict[str, list[dict[str, Any]]]:
+        """``rules`` as the API spells it (placeholders unresolved)."""
+        rules: dict[str, list[dict[str, Any]]] = {}
+        for rule in self.header_rules:
+            key = str(rule.target) if rule.target.hostname else _network_key(rule)
+            rules.setdefault(key, []).append({"transform": {"headers": dict(rule.headers)}})
+        return rules
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, for the sandbox record and repository records."""
@@ -179,6 +334,7 @@ class EgressPolicy:
             "allowOut": [str(rule) for rule in self.allow_out],
             "denyOut": [str(rule) for rule in self.deny_out],
             "dnsServers": [str(server) for server in self.dns_servers],
+            **({"rules": self.rules_dict()} if self.header_rules else {}),
         }
 
     @classmethod
@@ -188,4 +344,11 @@ class EgressPolicy:
             allow_out=data.get("allowOut") or (),
             deny_out=data.get("denyOut") or (),
             dns_servers=data.get("dnsServers") or (),
+            rules=data.get("rules"),
         )
+
+
+def _network_key(rule: HeaderRule) -> str:
+    assert rule.target.network is not None
+    network = rule.target.network
+    return str(network.network_address) if network.prefixlen == 32 else str(network)

@@ -2,10 +2,11 @@
 templates, paused sandboxes), committing to it, and fetching from it into the node cache.
 
 Records live under ``catalog/snapshot/<id>`` (snapshots and templates: one namespace, a
-``type`` field tells them apart; names map to ids) and ``catalog/paused/<sandbox id>``.
-A template name's tags other than ``default`` (which is the name itself) live under
-``catalog/tags/<name>/<tag>``, each pointing at one of the name's builds; ``name:tag``
-is looked up wherever an id or name is (see :mod:`.tags`).
+``type`` field tells them apart; names map to ids), ``catalog/paused/<sandbox id>`` and
+``catalog/secret/<id>`` (secrets, encrypted by ``orchestrator/secrets.py``; their names are
+``secret:<name>``). A template name's tags other than ``default`` (which is the name
+itself) live under ``catalog/tags/<name>/<tag>``, each pointing at one of the name's
+builds; ``name:tag`` is looked up wherever an id or name is (see :mod:`.tags`).
 A commit pushes every blob first and writes the record last, so a crash or an
 unreachable repository mid-commit leaves the previous state. A paused sandbox is held
 by one node at a time: whoever resumes generation ``g`` of it first claims
@@ -31,7 +32,13 @@ from agentenv.orchestrator.errors import (
     OutOfSpace,
     RepositoryUnavailable,
 )
-from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry, TagEntry
+from agentenv.orchestrator.records import (
+    MalformedRecord,
+    PausedEntry,
+    SecretEntry,
+    SnapshotEntry,
+    TagEntry,
+)
 from agentenv.orchestrator.store import utcnow
 from agentenv.orchestrator.tags import DEFAULT_TAG, family_of, parse_tagged
 from agentenv.snapshots.cache import CacheFull, NodeCache
@@ -47,6 +54,7 @@ T = TypeVar("T")
 
 SNAPSHOTS = "snapshot"
 PAUSED = "paused"
+SECRETS = "secret"
 
 
 async def _guard(what: str, work: Awaitable[T]) -> T:
@@ -337,9 +345,64 @@ class Catalog:
             ),
         )
 
+    # -- secrets -----------------------------------------------------------------------
+    async def put_secret(self, entry: SecretEntry) -> None:
+        await _guard(
+            f"writing secret {entry.id}",
+            self.repository.put_record(SECRETS, entry.id, entry.to_wire()),
+        )
+
+    async def get_secret(self, secret_id: str) -> SecretEntry | None:
+        async def find() -> SecretEntry | None:
+            record = await self.repository.get_record(SECRETS, secret_id)
+            return None if record is None else SecretEntry.from_wire(record)
+
+        return await _guard(f"reading secret {secret_id}", find())
+
+    async def secret_named(self, name: str) -> str | None:
+        """The id the secret name ``name`` points at, if any."""
+        return await _guard(
+            "reading secret names", self.repository.resolve_name(_secret_name(name))
+        )
+
+    async def claim_secret_name(self, name: str, secret_id: str, *, replace: bool) -> bool:
+        """Point ``name`` at ``secret_id``: create-only (False if it is taken), or
+        unconditionally with ``replace`` (a name left by a create that crashed)."""
+
+        async def work() -> bool:
+            if replace:
+                await self.repository.set_name(_secret_name(name), secret_id)
+                return True
+            return await self.repository.claim_name(_secret_name(name), secret_id)
+
+        return await _guard(f"claiming secret name {name!r}", work())
+
+    async def list_secrets(self) -> list[SecretEntry]:
+        records = await _guard("listing secrets", self.repository.list_records(SECRETS))
+        entries = []
+        for record in records:
+            try:
+                entries.append(SecretEntry.from_wire(record))
+            except MalformedRecord as exc:
+                log.warning("skipping a secret record of the repository: %s", exc)
+        return entries
+
+    async def delete_secret(self, entry: SecretEntry) -> None:
+        """Remove the record first (the value is gone at once), then the name."""
+
+        async def work() -> None:
+            await self.repository.delete_record(SECRETS, entry.id)
+            await self.repository.drop_name(_secret_name(entry.name), expected_target=entry.id)
+
+        await _guard(f"deleting secret {entry.id}", work())
+
 
 def _claim_name(sandbox_id: str, generation: int) -> str:
     return f"claim:{sandbox_id}:{generation}"
+
+
+def _secret_name(name: str) -> str:
+    return f"secret:{name}"
 
 
 def _is_id(key: str) -> bool:

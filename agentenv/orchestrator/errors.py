@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     BUILD_FAILED = "build_failed"
     TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
     TAG_NOT_FOUND = "tag_not_found"
+    SECRET_NOT_FOUND = "secret_not_found"
 
 
 class OrchestratorError(Exception):
@@ -88,6 +89,14 @@ class SnapshotNotFound(OrchestratorError):
 
     def __init__(self, key: str) -> None:
         super().__init__(f"snapshot {key!r} not found")
+        self.key = key
+
+
+class SecretNotFound(OrchestratorError):
+    code = ErrorCode.SECRET_NOT_FOUND
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"secret {key!r} not found")
         self.key = key
 
 

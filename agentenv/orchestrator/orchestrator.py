@@ -60,6 +60,7 @@ from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
 from agentenv.orchestrator.resources import FilePins, NetworkLeases, Slots, resolve_subnet
+from agentenv.orchestrator.secrets import Secrets
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import (
     PUBLIC_STATE,
@@ -121,10 +122,12 @@ class Orchestrator:
         )
         self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
         self._free_space = FreeSpaceFloor(config)
-        self._metrics = MetricsHistory(self.store, self.http)
         self._operations = SandboxOperations()
         self._supervisor = Supervisor()
         self._machines = Machines(driver, self.network, self.store, accel)
+        self._metrics = MetricsHistory(
+            self.store, self.http, self._machines.current, config.metrics_interval
+        )
         self._slots = Slots(self.store, self.network)
         self._leases = NetworkLeases(
             self.network, self.store, self._operations, config.network_linger
@@ -133,6 +136,10 @@ class Orchestrator:
         self.catalog = Catalog(config, lambda: self._pins.pinned_keys(self.catalog.cache))
         # Template tags (assign, remove, list): the catalog's, for every node.
         self.tags = TemplateTags(self.catalog)
+        self.secrets = Secrets(config, self.catalog)
+        # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
+        # filter, on the host, per request.
+        self.network.resolve_secrets_with(self.secrets.value)
         self.templates = TemplateManager(
             config,
             self.store,
@@ -231,6 +238,7 @@ class Orchestrator:
             self.config.snapshots_dir,
         ):
             d.mkdir(parents=True, exist_ok=True)
+        self.secrets.load_key()  # made now if there is none, so a bad key shows at start
         reflinks = self._resharing.enabled = supports_reflink(self.config.sandboxes_dir)
         wanted = self.config.sandbox_memory
         own = self._lifecycle.own_memory_files = self.driver.shared_memory_boot and (

@@ -109,3 +109,21 @@ class TagEntry(_Record):
     # The build's record id (``catalog/snapshot/<target>``).
     target: str
     assigned_at: datetime
+
+
+class SecretEntry(_Record):
+    """A secret of the E2B secrets API (``catalog/secret/<id>``; its name is the
+    repository name ``secret:<name>``). Only the current version's value is kept, and
+    only encrypted (``orchestrator/secrets.py``): AES-256-GCM under the nodes' secrets
+    key, which never enters the repository; ``key_id`` tells which key it was."""
+
+    id: str
+    name: str
+    current_version: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+    created_at: datetime
+    updated_at: datetime
+    node: str = ""
+    key_id: str
+    nonce: str  # base64
+    ciphertext: str  # base64, the GCM tag included

@@ -4,7 +4,8 @@ A request is sandbox traffic when it carries ``E2b-Sandbox-Id`` (and optionally
 ``E2b-Sandbox-Port``, default envd's port) or its Host is ``{port}-{sandboxID}.{domain}``
 for the configured domain exactly (any other Host is the control plane's; without a
 configured domain, only the headers route, since a server that does not know its domain
-cannot tell its own names from anyone else's).
+cannot tell its own names from anyone else's). A signed ``/files`` URL that names no
+sandbox goes to the sandbox whose token signed it (see ``signed``).
 
 Every port but envd's is open to anyone who can reach the proxy, unless the sandbox was
 created with ``allowPublicTraffic: false``: then they need its traffic access token in
@@ -58,6 +59,12 @@ from agentenv.proxy.endings import (
     is_connect_stream,
 )
 from agentenv.proxy.paths import PathRefused, RequestPath
+from agentenv.proxy.signed import (
+    SIGNER_PATH,
+    FilesNotRouted,
+    signed_files_sandbox,
+    signer_response,
+)
 
 log = logging.getLogger("agentenv.proxy")
 
@@ -197,6 +204,10 @@ class SandboxProxy:
         for client in self._clients.values():
             await client.aclose()
         self._clients.clear()
+
+    def sandbox_tokens(self) -> list[tuple[str, str | None]]:
+        """Each live sandbox's id and envd access token."""
+        return [(v.sandbox_id, v.record.envd_token) for v in self.orchestrator.list_sandboxes()]
 
     # -- admission ----------------------------------------------------------------------
     async def admit(
@@ -537,6 +548,18 @@ class SandboxTrafficMiddleware:
                     await _deny_websocket(send, refusal)
                 return
             target = target_of(Headers(scope=scope), self.proxy.domain)
+            if target is None and scope["type"] == "http":
+                if scope["path"] == SIGNER_PATH and scope["method"] == "GET":
+                    answer = signer_response(scope, self.proxy.sandbox_tokens)
+                    await answer(scope, receive, send)
+                    return
+                try:
+                    signer = signed_files_sandbox(scope, self.proxy.sandbox_tokens)
+                except FilesNotRouted as exc:
+                    await Refusal(exc.status, str(exc)).response()(scope, receive, send)
+                    return
+                if signer is not None:
+                    target = ProxyTarget(signer, ENVD_PORT)
             if target is not None:
                 if scope["type"] == "http":
                     request = Request(scope, receive)

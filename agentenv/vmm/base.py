@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -233,6 +234,16 @@ class VMStats:
     cpu_seconds: float
 
 
+@dataclass(frozen=True)
+class GuestMemory:
+    """The guest kernel's memory figures as its balloon driver last reported them:
+    ``MemTotal``, ``MemAvailable`` and the page cache, in bytes."""
+
+    total_bytes: int
+    available_bytes: int
+    cached_bytes: int
+
+
 class VirtualMachine(ABC):
     """A handle on one VMM process. Methods are safe to call from one asyncio task at a
     time; the orchestrator serialises per sandbox."""
@@ -280,6 +291,25 @@ class VirtualMachine(ABC):
 
     @abstractmethod
     async def stats(self) -> VMStats: ...
+
+    def cpu_seconds(self) -> float:
+        """CPU time the VMM process has used (every thread), from ``/proc`` alone: cheaper
+        than :meth:`stats`, which also walks the process's memory map. Raises
+        :class:`VMMGone` once the process is gone."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError as exc:
+            raise VMMGone(f"VMM process {self.pid} has exited") from exc
+        # After the parenthesised command name, utime and stime are fields 14 and 15.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
+        """The guest's memory figures from its balloon driver, which is asked to report
+        every ``report_every_s`` seconds: the guest kernel answers by itself, so no guest
+        program wakes. None where the VMM has no balloon statistics, or before the
+        guest's first report; :class:`VMMError` if the VMM cannot be asked."""
+        return None
 
     @abstractmethod
     async def wait_exit(self) -> VMMExit:

@@ -57,7 +57,7 @@ from agentenv.vmm.process import VMMProcess, launched_cmdline
 from agentenv.vmm.qemu_vm import (
     CONSOLE_LOG,
     DRIVER_NAME,
-    MACHINE_TYPE,
+    MACHINE,
     PID_FILE,
     PROCESS_LOG,
     SHORT_SOCKET_DIR,
@@ -67,6 +67,8 @@ from agentenv.vmm.qemu_vm import (
     await_migration,
     execute_qmp,
     logs_tail,
+    machine_of_argv,
+    machine_of_snapshot,
     pass_fd,
     qmp_socket_path,
 )
@@ -163,14 +165,22 @@ class QemuDriver(VMMDriver):
 
     # -- command line ----------------------------------------------------------------------
 
-    def build_argv(self, spec: MachineSpec, workdir: Path, *, incoming: bool = False) -> list[str]:
+    def build_argv(
+        self,
+        spec: MachineSpec,
+        workdir: Path,
+        *,
+        incoming: bool = False,
+        machine: str = MACHINE,
+    ) -> list[str]:
         """The QEMU command line for ``spec``. Boot and restore differ only in the trailing
-        ``-S -incoming defer``: migration needs an identical device set on both ends."""
+        ``-S -incoming defer``: migration needs an identical device set on both ends, so a
+        restore passes the ``machine`` options its snapshot was made with."""
         mem = f"{spec.memory_mib}M"
         share = "on" if spec.memory_shared else "off"
         argv = [
             self.qemu_binary,
-            "-M", f"{MACHINE_TYPE},memory-backend=mem0",
+            "-M", f"{machine},memory-backend=mem0",
         ]  # fmt: skip
         if spec.accel == "kvm":
             # arch-capabilities: PVM's /dev/kvm rejects MSR 0x10a (reference §9.8).
@@ -246,7 +256,8 @@ class QemuDriver(VMMDriver):
                     f"memory file {spec.memory_file} ({size} bytes) cannot hold the "
                     f"snapshot's {spec.memory_mib} MiB of RAM"
                 )
-        launch = await self._launch(spec, workdir, incoming=True)
+        machine = machine_of_snapshot(snapshot.meta)
+        launch = await self._launch(spec, workdir, incoming=True, machine=machine)
         process, qmp = launch.process, launch.qmp
         timeout = self.command_timeout
         try:
@@ -328,7 +339,13 @@ class QemuDriver(VMMDriver):
                 with contextlib.suppress(Exception):
                     await qmp.disconnect()
                 raise VMMCommandError(f"cannot confine adopted QEMU {pid}: {exc}") from exc
-        launch = QemuLaunch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
+        launch = QemuLaunch(
+            process=process,
+            qmp=qmp,
+            socket_path=socket_path,
+            jail=jail,
+            machine=machine_of_argv(argv),
+        )
         return self._handle(spec, workdir, launch, state)
 
     # -- internals ---------------------------------------------------------------------------
@@ -347,11 +364,14 @@ class QemuDriver(VMMDriver):
             socket_path=launch.socket_path,
             jail=launch.jail,
             console_limit=self.console_limit,
+            machine=launch.machine,
         )
 
-    async def _launch(self, spec: MachineSpec, workdir: Path, *, incoming: bool) -> QemuLaunch:
+    async def _launch(
+        self, spec: MachineSpec, workdir: Path, *, incoming: bool, machine: str = MACHINE
+    ) -> QemuLaunch:
         _prepare_workdir(spec, workdir)
-        qemu_argv = self.build_argv(spec, workdir, incoming=incoming)
+        qemu_argv = self.build_argv(spec, workdir, incoming=incoming, machine=machine)
         socket_path = self._socket_path(workdir)
         launch_spec = LaunchSpec(
             argv=tuple(qemu_argv),
@@ -404,7 +424,9 @@ class QemuDriver(VMMDriver):
             if not isinstance(exc, Exception):
                 raise
             raise VMMStartError(f"QEMU did not come up: {exc}\n{logs_tail(workdir)}") from exc
-        return QemuLaunch(process=process, qmp=qmp, socket_path=socket_path, jail=jail)
+        return QemuLaunch(
+            process=process, qmp=qmp, socket_path=socket_path, jail=jail, machine=machine
+        )
 
     def _confine(
         self, launch_spec: LaunchSpec, spec: MachineSpec, jail: VmmJail, socket_path: Path

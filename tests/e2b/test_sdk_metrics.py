@@ -57,3 +57,31 @@ def test_metrics_window_and_history(e2b: E2B, e2b_server: ServerProcess) -> None
         assert latest[sbx.sandbox_id]["timestampUnix"] >= int(stamps[-1].timestamp())
     finally:
         sbx.kill()
+
+
+def test_metrics_follow_the_guests_load(e2b: E2B) -> None:
+    """Between envd's own samples (every minute) the node measures: the VMM's CPU time and
+    the guest kernel's balloon report. They must follow what the guest does."""
+    sbx = e2b.Sandbox.create(timeout=120, metadata={"suite": "e2b-metrics-load"})
+    try:
+        meminfo = sbx.commands.run("cat /proc/meminfo").stdout
+        mem_total = int(meminfo.split("MemTotal:")[1].split()[0]) * 1024
+        time.sleep(11)
+        idle = sbx.get_metrics()[-1]
+        assert idle.mem_total == mem_total
+        assert idle.cpu_used_pct < 10, idle
+        # One vCPU kept busy, and 200 MiB written and held, for 30 s.
+        loaded_at = dt.datetime.now(dt.UTC)
+        sbx.commands.run("timeout 30 sh -c 'while :; do :; done'", background=True)
+        sbx.commands.run(
+            "python3 -c 'import time; held = b\"x\" * (200 << 20); time.sleep(30)'",
+            background=True,
+        )
+        time.sleep(14)
+        loaded = [m for m in sbx.get_metrics() if m.timestamp > loaded_at + dt.timedelta(seconds=4)]
+        assert loaded, "no sample while the guest was loaded"
+        # Half the 2 vCPUs at most; the node's other work may take some of that core.
+        assert max(m.cpu_used_pct for m in loaded) > 15, loaded
+        assert max(m.mem_used for m in loaded) - idle.mem_used > 150 * 1024 * 1024, loaded
+    finally:
+        sbx.kill()

@@ -199,7 +199,17 @@ def test_unsupported_options_are_refused_by_name(server: ServerProcess) -> None:
         before = len(c.get("/v2/sandboxes").json())
         for network, named in [
             ({"egressProxy": {"address": "proxy.example.com:1080"}}, "egressProxy"),
-            ({"rules": {"api.example.com": [{"transform": {"headers": {"a": "b"}}}]}}, "rules"),
+            (
+                {
+                    "allowOut": ["api.example.com"],
+                    "rules": {
+                        "api.example.com": [
+                            {"transform": {"headers": {"a": "${e2b.identity.tokens.aws}"}}}
+                        ]
+                    },
+                },
+                "workload identity",
+            ),
             ({"httpsPorts": [3000]}, "httpsPorts"),
             ({"allowOut": ["fe80::/10"]}, "allowOut"),
         ]:

@@ -96,6 +96,10 @@ if [ "$debug_shell" = 1 ]; then
 	(export PATH="$ROOT_PATH:/.aenv/busybox" HOME=/root TERM=vt100; cd /; setsid cttyhack sh -l) &
 fi
 
+# Idle guests must not wake: every wakeup runs guest code on the node's CPU (slowly, under
+# TCG). Proactive compaction (for transparent huge pages) woke kcompactd twice a second.
+echo 0 > /proc/sys/vm/compaction_proactiveness 2>/dev/null
+
 mkdir -p /var/log 2>/dev/null
 say "ready uptime=$(cut -d' ' -f1 /proc/uptime)"
 while true; do
