@@ -6,9 +6,9 @@ no tag takes the name (the ``default`` tag); one with tags takes only those.
 
 As in E2B, readiness decides, not the start command's lifetime: the start command runs
 in the background and the ready command is tried until it succeeds (then the template is
-snapshotted with whatever is running) or 10 minutes pass. A start command
-that ends with status 0 (``echo ready``) is fine; one that fails before the template is
-ready (a non-zero status, a signal) fails the build with its output.
+snapshotted with whatever is running) or 10 minutes pass. A start command that ends
+with status 0 (``echo ready``) is fine; one that fails before the template is ready (a
+non-zero status, a signal) fails the build with its output.
 
 Build records (status and logs) are kept in memory by this node: a build is driven by
 the node that received it, and the result, the template, is in the repository.
