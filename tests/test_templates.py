@@ -1,7 +1,8 @@
 """Templates built through E2B's build API by the unmodified SDK and by the ``aenv`` CLI,
 from an OCI image served by a local registry (built from Debian packages by the test
 setup): steps run, files copied, environment, working directory and a live start
-process end up in sandboxes made from the template."""
+process end up in sandboxes made from the template; tags (sync and async SDK) and start
+commands that exit."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from e2b import Sandbox, Template, wait_for_file
-from e2b.exceptions import BuildException
+from e2b import AsyncSandbox, AsyncTemplate, Sandbox, Template, wait_for_file, wait_for_timeout
+from e2b.exceptions import BuildException, SandboxException, TemplateException
+from e2b.template.main import TemplateClass
 
 from tests.e2b.support import sdk_opts
 from tests.helpers import ROOT, ServerProcess, live_server
@@ -174,12 +176,93 @@ def test_failing_step_reports_the_step_and_the_error(node: ServerProcess, image:
         assert not ready, names
 
 
-def test_start_command_that_exits_fails_the_build(node: ServerProcess, image: str) -> None:
+def test_start_command_that_fails_before_it_is_ready_fails_the_build(
+    node: ServerProcess, image: str
+) -> None:
     template = Template().from_image(image).set_start_cmd("echo dying; exit 1", "false")
     with pytest.raises(BuildException) as failure:
         Template.build(template, "dying-start", **build_opts(node))
-    assert "exited before it was ready" in str(failure.value)
+    assert "exited with code 1 before the template was ready" in str(failure.value)
     assert "dying" in str(failure.value)
+
+
+def test_tags_with_the_sync_sdk(node: ServerProcess) -> None:
+    """Build with tags, name:tag wherever a template is named, assign, remove and list
+    tags, the default tag; and a start command that exits at once (``echo ready``) with
+    a ready check that waits: readiness decides, as in E2B."""
+    opts = build_opts(node)
+
+    def layer(text: str) -> TemplateClass:
+        return (
+            Template()
+            .from_template("base")
+            .run_cmd(f"echo {text} > /home/user/which")
+            .set_start_cmd("echo ready > /tmp/started", wait_for_timeout(1000))
+        )
+
+    first = Template.build(layer("one"), "tagged", **opts)
+    assert first.tags == ["default"]
+    second = Template.build(layer("two"), "tagged:V2", tags=["canary"], **opts)
+    assert sorted(second.tags) == ["canary", "v2"]
+
+    def which(template: str) -> str:
+        sandbox = Sandbox.create(template=template, timeout=120, **sdk_opts(node))
+        try:
+            assert sandbox.commands.run("cat /tmp/started").stdout == "ready\n"
+            return sandbox.commands.run("cat /home/user/which").stdout.strip()
+        finally:
+            sandbox.kill()
+
+    # "tagged" is "tagged:default": the build without tags; v2 and canary the second.
+    assert which("tagged") == "one"
+    assert which("tagged:v2") == "two"
+    tags = {t.tag: t.build_id for t in Template.get_tags(second.template_id, **opts)}
+    assert tags == {"default": first.build_id, "v2": second.build_id, "canary": second.build_id}
+
+    assigned = Template.assign_tags("tagged:v2", ["stable", "default"], **opts)
+    assert assigned.build_id == second.build_id and sorted(assigned.tags) == ["default", "stable"]
+    assert which("tagged") == "two"
+    Template.remove_tags("tagged", "canary", **opts)
+    assert "canary" not in {t.tag for t in Template.get_tags("tagged", **opts)}
+    with pytest.raises(TemplateException, match="404"):
+        Template.remove_tags("tagged", ["canary"], **opts)
+    with pytest.raises(TemplateException, match="400"):
+        Template.remove_tags("tagged", ["default"], **opts)
+    with pytest.raises(TemplateException, match="404"):
+        Template.assign_tags("tagged:nope", "x", **opts)
+    with pytest.raises(SandboxException, match="404"):
+        Sandbox.create(template="tagged:canary", **sdk_opts(node))
+    assert Template.exists("tagged:stable", **opts)
+
+    assert Sandbox.delete_snapshot("tagged:stable", **sdk_opts(node)) is True
+    assert not Template.exists("tagged", **opts)
+    with pytest.raises(TemplateException, match="404"):
+        Template.get_tags("tagged", **opts)
+
+
+async def test_tags_with_the_async_sdk(node: ServerProcess) -> None:
+    opts = build_opts(node)
+    template = Template().from_template("base").run_cmd("echo async > /home/user/which")
+    # Only a tag: the template has no default build yet.
+    built = await AsyncTemplate.build(template, "atagged:v1", **opts)
+    assert built.tags == ["v1"]
+    with pytest.raises(SandboxException):
+        await AsyncSandbox.create(template="atagged", **sdk_opts(node))
+    sandbox = await AsyncSandbox.create(template="atagged:v1", timeout=120, **sdk_opts(node))
+    try:
+        assert (await sandbox.commands.run("cat /home/user/which")).stdout == "async\n"
+    finally:
+        await sandbox.kill()
+    assigned = await AsyncTemplate.assign_tags("atagged:v1", "default", **opts)
+    assert assigned.build_id == built.build_id
+    tags = {t.tag: t.build_id for t in await AsyncTemplate.get_tags("atagged", **opts)}
+    assert tags == {"default": built.build_id, "v1": built.build_id}
+    await AsyncTemplate.remove_tags("atagged", "v1", **opts)
+    with pytest.raises(TemplateException, match="404"):
+        await AsyncTemplate.remove_tags("atagged", "v1", **opts)
+    sandbox = await AsyncSandbox.create(template="atagged", timeout=120, **sdk_opts(node))
+    await sandbox.kill()
+    assert await AsyncSandbox.delete_snapshot("atagged", **sdk_opts(node)) is True
 
 
 def aenv(

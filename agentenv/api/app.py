@@ -66,6 +66,7 @@ from agentenv.orchestrator.errors import (
     Conflict,
     SandboxNotFound,
     SnapshotNotFound,
+    TemplateAliasNotFound,
 )
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.templates import BASE_TEMPLATE
@@ -512,8 +513,9 @@ def create_app(
         if template_id == BASE_TEMPLATE or orchestrator.store.get_template(template_id):
             raise ApiError(409, f"template {template_id!r} is built in and cannot be deleted")
         try:
-            await orchestrator.delete_snapshot(template_id, type_="template")
-        except SnapshotNotFound:
+            # By name (or name:tag): the template with all its builds and tags.
+            await orchestrator.delete_template(template_id)
+        except (SnapshotNotFound, TemplateAliasNotFound):
             try:
                 await orchestrator.delete_snapshot(template_id)
             except SnapshotNotFound:

@@ -44,6 +44,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,
     # Paused on another node, its commit not landed within the wait: retry later.
     ErrorCode.COMMIT_PENDING: 503,
+    ErrorCode.TAG_NOT_FOUND: 404,
     ErrorCode.SECRET_NOT_FOUND: 404,
 }
 

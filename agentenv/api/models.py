@@ -28,6 +28,7 @@ from agentenv.limits import (
     MAX_TEMPLATE_REF_LENGTH,
     TEMPLATE_REF_PATTERN,
 )
+from agentenv.orchestrator.tags import MAX_TAG_LENGTH
 
 # Metadata keys end up in listings, query filters (``?metadata=k=v``) and logs: word
 # characters and a few separators, nothing that needs quoting or escaping there.
@@ -419,6 +420,11 @@ class ForkResult(BaseModel):
 _TEMPLATE_NAME_PATTERN = r"^[^/\s\x00-\x1f\x7f][^\s\x00-\x1f\x7f]*$"
 
 
+# A tag as a client gives it (checked and lower-cased by the orchestrator's tags module).
+_Tag = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_LENGTH)]
+MAX_TAGS = 16
+
+
 class TemplateBuildRequest(BaseModel):
     """``POST /v3/templates``."""
 
@@ -438,7 +444,12 @@ class TemplateBuildRequest(BaseModel):
         pattern=_TEMPLATE_NAME_PATTERN,
         description="the name, as older SDKs send it",
     )
-    tags: list[str] | None = Field(default=None, max_length=16)
+    tags: list[_Tag] | None = Field(
+        default=None,
+        max_length=MAX_TAGS,
+        description="tags of the build (with the name's own, if it is name:tag); "
+        "none: the default tag",
+    )
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=64)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
 
@@ -520,6 +531,42 @@ class TemplateInfo(BaseModel):
     envd_version: str = Field(alias="envdVersion")
     build_status: Literal["waiting", "building", "ready", "error"] = Field(alias="buildStatus")
     builds: list[TemplateBuildSummary] | None = None
+
+
+class AssignTemplateTagsRequest(BaseModel):
+    """``POST /templates/tags``: point ``tags`` at the build ``target`` names."""
+
+    target: str = Field(
+        min_length=1,
+        max_length=MAX_TEMPLATE_REF_LENGTH,
+        pattern=TEMPLATE_REF_PATTERN,
+        description="the build to tag: name:tag, or name (its default tag)",
+    )
+    tags: list[_Tag] = Field(min_length=1, max_length=MAX_TAGS)
+
+
+class AssignedTemplateTags(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    tags: list[str]
+    build_id: str = Field(alias="buildID")
+
+
+class DeleteTemplateTagsRequest(BaseModel):
+    """``DELETE /templates/tags``: remove ``tags`` (not ``default``) from template ``name``."""
+
+    name: str = Field(
+        min_length=1, max_length=MAX_TEMPLATE_REF_LENGTH, pattern=TEMPLATE_REF_PATTERN
+    )
+    tags: list[_Tag] = Field(min_length=1, max_length=MAX_TAGS)
+
+
+class TemplateTag(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    tag: str
+    build_id: str = Field(alias="buildID")
+    created_at: datetime = Field(alias="createdAt", description="when the tag was assigned")
 
 
 class TemplateAliasResponse(BaseModel):

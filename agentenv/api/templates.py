@@ -1,6 +1,7 @@
 """E2B's template API: register a build, upload COPY sources, start the build, poll its
-status and logs, list, look up and resolve templates. Deleting a template is in
-``app.py`` (snapshots are deleted through the same route).
+status and logs, list, look up and resolve templates, and assign, remove and list their
+tags (:mod:`agentenv.orchestrator.tags`). Deleting a template is in ``app.py``
+(snapshots are deleted through the same route).
 
 Upload links carry a token (an HMAC of the template id and files hash under the node's
 API key), because the SDK sends the upload without its API key.
@@ -8,6 +9,7 @@ API key), because the SDK sends the upload without its API key.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -20,8 +22,11 @@ from fastapi.params import Depends
 
 from agentenv.api.errors import ApiError, error_responses
 from agentenv.api.models import (
+    AssignedTemplateTags,
+    AssignTemplateTagsRequest,
     BuildLogEntry,
     BuildStatusReason,
+    DeleteTemplateTagsRequest,
     TemplateAliasResponse,
     TemplateBuildInfo,
     TemplateBuildRequest,
@@ -29,6 +34,7 @@ from agentenv.api.models import (
     TemplateFileUpload,
     TemplateInfo,
     TemplateRequestResponse,
+    TemplateTag,
 )
 from agentenv.api.params import BuildRecordId, FilesHash, TemplateRef
 from agentenv.limits import MAX_PAGE_SIZE, MAX_TOKEN_LENGTH
@@ -41,6 +47,7 @@ from agentenv.orchestrator.errors import (
     TemplateAliasNotFound,
 )
 from agentenv.orchestrator.orchestrator import Orchestrator
+from agentenv.orchestrator.tags import DEFAULT_TAG, normalize_tags, split_name
 from agentenv.orchestrator.templates import BASE_TEMPLATE
 from agentenv.orchestrator.views import SnapshotView
 
@@ -59,6 +66,14 @@ def template_routes(
         message = f"{template_id}:{files_hash}".encode()
         return hmac.new(api_key.encode(), message, hashlib.sha256).hexdigest()
 
+    async def not_snapshots(names: list[str]) -> None:
+        for taken in names:
+            try:
+                await orchestrator.get_snapshot(taken)
+            except SnapshotNotFound:
+                continue
+            raise Conflict(f"the name {taken!r} is a snapshot's; a template needs another")
+
     @router.post(
         "/v3/templates",
         status_code=202,
@@ -67,28 +82,63 @@ def template_routes(
         dependencies=list(authed),
     )
     async def request_build(body: TemplateBuildRequest) -> TemplateRequestResponse:
-        if body.tags:
-            raise InvalidRequest("template tags are not supported")
-        name = body.name or body.alias
-        if not name:
+        given = body.name or body.alias
+        if not given:
             raise InvalidRequest("name is required")
-        if ":" in name:
-            raise InvalidRequest("name:tag is not supported; give a plain name")
-        # As in E2B, a template's name builds it again (the new build takes the name when
-        # it is ready); a snapshot's name is not a template's to take.
-        try:
-            await orchestrator.get_snapshot(name)
-        except SnapshotNotFound:
-            pass
-        else:
-            raise Conflict(f"the name {name!r} is a snapshot's; a template needs another")
-        build = builds.register(name, body.cpu_count, body.memory_mb)
+        # "name:tag" is the name with one more tag; no tag at all is the default tag.
+        name, tag = split_name(given)
+        tags = normalize_tags(([tag] if tag else []) + (body.tags or [])) or [DEFAULT_TAG]
+        # As in E2B, a template's name builds it again (the new build takes the name, or
+        # its tags, when it is ready); a snapshot's name is not a template's to take.
+        await not_snapshots([name] + [f"{name}:{t}" for t in tags if t != DEFAULT_TAG])
+        build = builds.register(name, body.cpu_count, body.memory_mb, tags)
         return TemplateRequestResponse(
             templateID=build.template_id,
             buildID=build.build_id,
             names=[name],
             aliases=[name],
+            tags=tags,
         )
+
+    @router.post(
+        "/templates/tags",
+        status_code=201,
+        response_model=AssignedTemplateTags,
+        response_model_by_alias=True,
+        dependencies=list(authed),
+    )
+    async def assign_tags(body: AssignTemplateTagsRequest) -> AssignedTemplateTags:
+        """Point ``tags`` at the build ``target`` (``name:tag``, or ``name`` for its
+        default tag) names; 404 when it names none."""
+        name = body.target.partition(":")[0]
+        if name == BASE_TEMPLATE:
+            raise Conflict(f"{BASE_TEMPLATE!r} is built in and takes no tags")
+        # "name:tag" must mean one thing: a snapshot's name, or this tag.
+        await not_snapshots([f"{name}:{tag}" for tag in normalize_tags(body.tags)])
+        build_id, tags = await orchestrator.tags.assign(body.target, body.tags)
+        return AssignedTemplateTags(tags=tags, buildID=build_id)
+
+    @router.delete("/templates/tags", status_code=204, dependencies=list(authed))
+    async def remove_tags(body: DeleteTemplateTagsRequest) -> Response:
+        """Remove ``tags`` from template ``name``: all of them or, when it lacks one, none
+        (404 naming it). ``default`` cannot be removed (400)."""
+        await orchestrator.tags.remove(body.name, body.tags)
+        return Response(status_code=204)
+
+    @router.get(
+        "/templates/{template_id:ref}/tags",
+        response_model=list[TemplateTag],
+        response_model_by_alias=True,
+        dependencies=list(authed),
+    )
+    async def list_tags(template_id: TemplateRef) -> list[TemplateTag]:
+        """The tags of the template a name, ``name:tag`` or build id refers to."""
+        if template_id == BASE_TEMPLATE:
+            return []
+        return [
+            TemplateTag(tag=v.tag, buildID=v.build_id, createdAt=v.assigned_at)
+            for v in await orchestrator.tags.listing(template_id)
+        ]
 
     @router.get(
         "/templates/{template_id}/files/{files_hash}",
@@ -262,7 +312,12 @@ def template_routes(
         try:
             view = await orchestrator.get_snapshot(alias, type_="template")
         except SnapshotNotFound:
-            raise TemplateAliasNotFound(alias) from None
+            # A template whose builds all have tags other than default exists too.
+            tags = await orchestrator.tags.listing(alias)
+            if not tags:
+                raise TemplateAliasNotFound(alias) from None
+            latest = max(tags, key=lambda t: t.assigned_at)
+            return TemplateAliasResponse(templateID=latest.build_id)
         return TemplateAliasResponse(templateID=view.snapshot_id)
 
     @router.get(
@@ -273,19 +328,27 @@ def template_routes(
         dependencies=list(authed),
     )
     async def get_template(template_id: TemplateRef) -> TemplateInfo:
-        for info in await template_infos():
-            if info.template_id == template_id or template_id in info.names:
-                summary = TemplateBuildSummary(
-                    buildID=info.build_id,
-                    status=info.build_status,
-                    createdAt=info.created_at,
-                    updatedAt=info.updated_at,
-                    cpuCount=info.cpu_count,
-                    memoryMB=info.memory_mb,
-                    diskSizeMB=info.disk_size_mb,
-                    envdVersion=info.envd_version,
-                )
-                return info.model_copy(update={"builds": [summary]})
+        # A name (or name:tag) means the build it starts now, not an older one of it.
+        wanted = template_id
+        if template_id != BASE_TEMPLATE:
+            with contextlib.suppress(SnapshotNotFound):
+                wanted = (await orchestrator.get_snapshot(template_id, "template")).snapshot_id
+        infos = await template_infos()
+        by_id = [i for i in infos if i.template_id == wanted]
+        found = by_id or [i for i in infos if template_id in i.names]
+        if found:
+            info = found[0]
+            summary = TemplateBuildSummary(
+                buildID=info.build_id,
+                status=info.build_status,
+                createdAt=info.created_at,
+                updatedAt=info.updated_at,
+                cpuCount=info.cpu_count,
+                memoryMB=info.memory_mb,
+                diskSizeMB=info.disk_size_mb,
+                envdVersion=info.envd_version,
+            )
+            return info.model_copy(update={"builds": [summary]})
         raise TemplateAliasNotFound(template_id)
 
     return router

@@ -1,7 +1,14 @@
 """Template builds (E2B's build API): start a build sandbox from an OCI image or an
 existing template, run the build's steps in it through envd, start its start command
 and wait for its ready command, then snapshot it as a template committed to the
-repository under the build's name.
+repository under the build's name, with the build's tags (:mod:`.tags`): a build with
+no tag takes the name (the ``default`` tag); one with tags takes only those.
+
+As in E2B, readiness decides, not the start command's lifetime: the start command runs
+in the background and the ready command is tried until it succeeds (then the template is
+snapshotted with whatever is running) or 10 minutes pass. A start command that ends
+with status 0 (``echo ready``) is fine; one that fails before the template is ready (a
+non-zero status, a signal) fails the build with its output.
 
 Build records (status and logs) are kept in memory by this node: a build is driven by
 the node that received it, and the result, the template, is in the repository.
@@ -16,7 +23,7 @@ import logging
 import shlex
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -44,7 +51,15 @@ from agentenv.orchestrator.errors import (
     SandboxNotFound,
     TemplateNotFound,
 )
+from agentenv.orchestrator.readiness import (
+    DEFAULT_READY_CMD,
+    NotReady,
+    StartCommandFailed,
+    StartState,
+    wait_until_ready,
+)
 from agentenv.orchestrator.store import utcnow
+from agentenv.orchestrator.tags import DEFAULT_TAG, TEMPLATE_NAME_KEY
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.orchestrator.upload_check import UploadMismatch, check_upload
 from agentenv.orchestrator.views import SandboxView, SnapshotView
@@ -55,8 +70,8 @@ log = logging.getLogger("agentenv.builds")
 
 # Where a build's start command writes its output in the guest (read back when it dies).
 START_LOG = "/tmp/.agentenv-start.log"
-READY_POLL_S = 1.0
-READY_TIMEOUT_S = 600.0
+# Where the shell around the start command writes its exit status when it ends.
+START_STATUS = "/tmp/.agentenv-start.status"
 BUILD_SANDBOX_TIMEOUT_S = 3 * 3600
 SDK_DEFAULT_IMAGES = ("e2bdev/base", "e2bdev/base:latest")
 # The account E2B's sandboxes run commands as by default.
@@ -82,6 +97,8 @@ class Build:
     name: str
     cpu_count: int
     memory_mb: int
+    # What the build is tagged with once ready ("default": it takes the name).
+    tags: list[str] = field(default_factory=lambda: [DEFAULT_TAG])
     status: str = "waiting"  # waiting | building | ready | error
     logs: list[LogEntry] = field(default_factory=list)
     reason: dict[str, Any] | None = None
@@ -124,6 +141,8 @@ class SandboxHost(Protocol):
 
     async def kill(self, sandbox_id: str) -> None: ...
 
+    async def tag_build(self, name: str, tags: list[str], build_id: str) -> None: ...
+
 
 class BuildManager:
     def __init__(self, orchestrator: SandboxHost) -> None:
@@ -161,8 +180,16 @@ class BuildManager:
         marker.touch()
 
     # -- records -------------------------------------------------------------------------
-    def register(self, name: str, cpu_count: int | None, memory_mb: int | None) -> Build:
-        if not name or len(name) > 128 or any(c.isspace() for c in name):
+    def register(
+        self,
+        name: str,
+        cpu_count: int | None,
+        memory_mb: int | None,
+        tags: list[str] | None = None,
+    ) -> Build:
+        """A build of template ``name`` to be started, to be tagged ``tags`` (normalized;
+        ``default`` when empty) once ready."""
+        if not name or len(name) > 128 or any(c.isspace() for c in name) or ":" in name:
             raise InvalidRequest(f"bad template name {name!r}")
         if name == "base":
             raise Conflict("the name 'base' is the built-in template's")
@@ -172,7 +199,7 @@ class BuildManager:
             raise InvalidRequest("cpuCount must be 1-64 and memoryMB 128-65536")
         self._check_name_free(name)
         template_id = str(uuid.uuid4())
-        build = Build(template_id, template_id, name, cpus, memory)
+        build = Build(template_id, template_id, name, cpus, memory, tags or [DEFAULT_TAG])
         self._builds[template_id] = build
         return build
 
@@ -235,13 +262,13 @@ class BuildManager:
             guest.address = view.guest_address
             await guest.prepare()
             await guest.apply(plan, self.upload_path)
-            if plan.start_cmd:
+            if plan.start_cmd or plan.ready_cmd:
                 await guest.start(plan.start_cmd, plan.ready_cmd)
             await guest.finish()
             build.log("snapshotting the template")
             await self.orchestrator.snapshot(
                 view.sandbox_id,
-                build.name,
+                build.name if DEFAULT_TAG in build.tags else None,
                 kind="template",
                 replace_name=True,
                 wait_commit=True,
@@ -251,8 +278,13 @@ class BuildManager:
                     "buildID": build.build_id,
                     "cpuCount": str(build.cpu_count),
                     "memoryMB": str(build.memory_mb),
+                    TEMPLATE_NAME_KEY: build.name,
                 },
             )
+            others = [tag for tag in build.tags if tag != DEFAULT_TAG]
+            if others:
+                await self.orchestrator.tag_build(build.name, others, build.template_id)
+                build.log(f"tagged {', '.join(others)}")
             build.status = "ready"
             build.log(f"template {build.name!r} ready in {time.monotonic() - started:.1f}s")
         except asyncio.CancelledError:
@@ -414,11 +446,43 @@ class BuildGuest:
             user="root",
         )
 
-    async def start(self, start_cmd: str, ready_cmd: str | None) -> None:
+    async def start(self, start_cmd: str | None, ready_cmd: str | None) -> None:
         """Run the start command in the background (it keeps running in every sandbox
-        made from the template) and wait until the ready command succeeds."""
+        made from the template) and wait until the ready command succeeds, as E2B does
+        (:mod:`.readiness`): a start command that ends with status 0 is fine, one that
+        fails first fails the build."""
+        start_state = None
+        if start_cmd:
+            start_state = await self._launch(start_cmd)
+        ready = ready_cmd or (DEFAULT_READY_CMD if start_cmd else "true")
+        self.build.log(f"waiting for the ready command: {ready}")
+
+        async def check() -> bool:
+            return (await self.run(ready, quiet=True)).exit_code == 0
+
+        try:
+            await wait_until_ready(start_state, check)
+        except StartCommandFailed as exc:
+            tail = await self._start_log_tail()
+            raise StepFailed(
+                "finalize",
+                "start command",
+                f"{exc} before the template was ready; its output:\n{tail}",
+            ) from None
+        except NotReady as exc:
+            raise StepFailed("finalize", "ready command", str(exc)) from None
+        self.build.log("ready")
+
+    async def _launch(self, start_cmd: str) -> Callable[[], Awaitable[StartState]]:
+        """Start ``start_cmd`` in the background: how to ask the guest about it. A shell
+        around it writes its exit status where the build reads it."""
         self.build.log(f"start command: {start_cmd}")
-        launch = f"nohup bash -l -c {shlex.quote(start_cmd)} >{START_LOG} 2>&1 </dev/null & echo $!"
+        status = START_STATUS
+        wrapper = f'bash -l -c "$1"; echo $? >{status}.tmp; mv {status}.tmp {status}'
+        launch = (
+            f"rm -f {START_STATUS}; nohup sh -c {shlex.quote(wrapper)} sh "
+            f"{shlex.quote(start_cmd)} >{START_LOG} 2>&1 </dev/null & echo $!"
+        )
         lines: list[str] = []
         result = await envd_client.execute(
             self.http,
@@ -434,25 +498,26 @@ class BuildGuest:
                 "finalize", "start command", f"could not be started: {' '.join(lines)}"
             )
         pid = lines[-1].strip()
-        ready = ready_cmd or "sleep 1"
-        self.build.log(f"waiting for the ready command: {ready}")
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            alive = await self.run(f"kill -0 {pid}", user="root", quiet=True)
-            if alive.exit_code != 0:
-                tail = await self._start_log_tail()
-                raise StepFailed(
-                    "finalize", "start command", f"exited before it was ready; its output:\n{tail}"
-                )
-            check = await self.run(ready, quiet=True)
-            if check.exit_code == 0:
-                self.build.log("ready")
-                return
-            if time.monotonic() > deadline:
-                raise StepFailed(
-                    "finalize", "ready command", f"did not succeed within {READY_TIMEOUT_S:.0f}s"
-                )
-            await asyncio.sleep(READY_POLL_S)
+        probe = (
+            f"if [ -e {START_STATUS} ]; then cat {START_STATUS}; "
+            f"elif kill -0 {pid} 2>/dev/null; then echo running; else echo gone; fi"
+        )
+
+        async def state() -> StartState:
+            out: list[str] = []
+            await envd_client.execute(
+                self.http,
+                self.address,
+                probe,
+                user="root",
+                on_output=lambda _s, line: out.append(line.strip()),
+            )
+            answer = out[-1] if out else "gone"
+            if answer == "running":
+                return StartState(running=True)
+            return StartState(running=False, exit_code=int(answer) if answer.isdigit() else None)
+
+        return state
 
     async def _start_log_tail(self) -> str:
         lines: list[str] = []

@@ -5,7 +5,9 @@ Records live under ``catalog/snapshot/<id>`` (snapshots and templates: one names
 ``type`` field tells them apart; names map to ids), ``catalog/paused/<sandbox id>``,
 ``catalog/pausing/<sandbox id>`` (a node paused that sandbox and its commit is on its way)
 and ``catalog/secret/<id>`` (secrets, encrypted by ``orchestrator/secrets.py``; their
-names are ``secret:<name>``).
+names are ``secret:<name>``). A template name's tags other than ``default`` (which is the
+name itself) live under ``catalog/tags/<name>/<tag>``, each pointing at one of the name's
+builds; ``name:tag`` is looked up wherever an id or name is (see :mod:`.tags`).
 A commit pushes every blob first and writes the record last, so a crash or an
 unreachable repository mid-commit leaves the previous state. A paused sandbox is held
 by one node at a time: whoever resumes generation ``g`` of it first claims
@@ -39,7 +41,10 @@ from agentenv.orchestrator.records import (
     PendingPause,
     SecretEntry,
     SnapshotEntry,
+    TagEntry,
 )
+from agentenv.orchestrator.store import utcnow
+from agentenv.orchestrator.tags import DEFAULT_TAG, family_of, parse_tagged
 from agentenv.snapshots.cache import CacheFull, NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.snapshots.leases import CollectionBusy
@@ -110,18 +115,80 @@ class Catalog:
 
     # -- snapshots and templates -------------------------------------------------------
     async def lookup(self, key: str) -> SnapshotEntry | None:
-        """The committed snapshot or template with id or name ``key``."""
+        """The committed snapshot or template with id or name ``key``, or the build a
+        template's tag names (``name:tag``, ``name:<build id>``): an id or a name holding
+        ``:`` (a snapshot's may) comes first."""
 
         async def find() -> SnapshotEntry | None:
             record = await self.repository.get_record(SNAPSHOTS, key) if _is_id(key) else None
             if record is None:
                 target = await self.repository.resolve_name(key)
                 if target is None:
-                    return None
+                    return await self._tagged(key)
                 record = await self.repository.get_record(SNAPSHOTS, target)
             return None if record is None else SnapshotEntry.from_wire(record)
 
         return await _guard(f"looking up {key!r} in the repository", find())
+
+    async def _tagged(self, key: str) -> SnapshotEntry | None:
+        parsed = parse_tagged(key)
+        if parsed is None:
+            return None
+        name, tag, build_id = parsed
+        if build_id is not None:
+            record = await self.repository.get_record(SNAPSHOTS, build_id)
+        elif tag == DEFAULT_TAG:
+            target = await self.repository.resolve_name(name)
+            record = None if target is None else await self.repository.get_record(SNAPSHOTS, target)
+        else:
+            doc = await self.repository.get_tag(name, tag)
+            target = None if doc is None else TagEntry.from_wire(doc).target
+            record = None if target is None else await self.repository.get_record(SNAPSHOTS, target)
+        if record is None:
+            return None
+        entry = SnapshotEntry.from_wire(record)
+        # A tag names one of its template's builds; a build id only one of the name's.
+        return entry if family_of(entry) == name else None
+
+    async def resolve_tag(self, name: str, tag: str) -> SnapshotEntry | None:
+        """The build tag ``tag`` of template ``name`` points at (``default``: the name)."""
+        return await _guard(f"looking up {name}:{tag}", self._tagged(f"{name}:{tag}"))
+
+    async def tags(self, name: str) -> list[TagEntry]:
+        """The tags of template ``name`` other than ``default``, in tag order."""
+
+        async def work() -> list[TagEntry]:
+            entries = []
+            for doc in await self.repository.list_tags(name):
+                try:
+                    entries.append(TagEntry.from_wire(doc))
+                except MalformedRecord as exc:
+                    log.warning("skipping a tag of the repository: %s", exc)
+            return entries
+
+        return await _guard(f"listing the tags of {name!r}", work())
+
+    async def set_tags(self, name: str, tags: list[str], target: str) -> None:
+        """Point ``tags`` of template ``name`` at its build ``target`` (``default``:
+        the name itself moves)."""
+
+        async def work() -> None:
+            now = utcnow()
+            for tag in tags:
+                if tag == DEFAULT_TAG:
+                    await self.repository.set_name(name, target)
+                else:
+                    entry = TagEntry(name=name, tag=tag, target=target, assigned_at=now)
+                    await self.repository.set_tag(name, tag, entry.to_wire())
+
+        await _guard(f"tagging {target}", work())
+
+    async def drop_tags(self, name: str, tags: list[str]) -> None:
+        async def work() -> None:
+            for tag in tags:
+                await self.repository.drop_tag(name, tag)
+
+        await _guard(f"removing tags of {name!r}", work())
 
     async def list_records(self, type_: str | None = None) -> list[SnapshotEntry]:
         records = await _guard("listing the repository", self.repository.list_records(SNAPSHOTS))

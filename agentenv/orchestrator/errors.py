@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     BUILD_FAILED = "build_failed"
     TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
     COMMIT_PENDING = "commit_pending"
+    TAG_NOT_FOUND = "tag_not_found"
     SECRET_NOT_FOUND = "secret_not_found"
 
 
@@ -173,3 +174,9 @@ class TemplateAliasNotFound(OrchestratorError):
 
     def __init__(self, alias: str) -> None:
         super().__init__(f"template {alias!r} not found")
+
+
+class TagNotFound(OrchestratorError):
+    """A template has no such tag (404 on the tag routes, as E2B answers)."""
+
+    code = ErrorCode.TAG_NOT_FOUND

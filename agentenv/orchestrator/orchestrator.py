@@ -77,6 +77,7 @@ from agentenv.orchestrator.states import (
 from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRecord, Store, utcnow
 from agentenv.orchestrator.supervisor import Supervisor
 from agentenv.orchestrator.sync import RepositorySync
+from agentenv.orchestrator.tags import TemplateTags, family_of
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.orchestrator.tokens import EnvdTokens
 from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
@@ -139,6 +140,8 @@ class Orchestrator:
         )
         self._pins = FilePins(self.store)
         self.catalog = Catalog(config, lambda: self._pins.pinned_keys(self.catalog.cache))
+        # Template tags (assign, remove, list): the catalog's, for every node.
+        self.tags = TemplateTags(self.catalog)
         self.secrets = Secrets(config, self.catalog)
         # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
         # filter, on the host, per request.
@@ -594,7 +597,8 @@ class Orchestrator:
             existing = self.store.get_snapshot(name)
             if existing is not None and existing.state == "ready":
                 raise Conflict(f"a snapshot named {name!r} already exists")
-            if await self.catalog.name_holder(name) is not None:
+            # lookup: also a template's "name:tag" (which the name would hide).
+            if await self.catalog.lookup(name) is not None:
                 raise Conflict(f"a snapshot or template named {name!r} already exists")
 
         async def work() -> SnapshotView:
@@ -635,6 +639,24 @@ class Orchestrator:
         """Forget a snapshot (or template) everywhere: its repository record and names
         go at once, this node's files once no sandbox or snapshot depends on them."""
         await self._sync.delete_snapshot(key, type_)
+
+    async def delete_template(self, key: str) -> None:
+        """Delete a template: named by a build's id, that build; by its name (or
+        ``name:tag``), every build of the name and all its tags, as E2B deletes a
+        template. :class:`TemplateAliasNotFound` if ``key`` names no template."""
+        entry = await self.catalog.lookup(key)
+        if entry is not None and entry.id == key and entry.type == "template":
+            await self._sync.delete_snapshot(key, "template")
+            return
+        name = await self.tags.family(key)
+        for build in await self.catalog.list_records("template"):
+            if family_of(build) == name:
+                await self._sync.delete_snapshot(build.id, "template")
+        await self.catalog.drop_tags(name, [t.tag for t in await self.catalog.tags(name)])
+
+    async def tag_build(self, name: str, tags: list[str], build_id: str) -> None:
+        """Point ``tags`` of template ``name`` at its committed build ``build_id``."""
+        await self.catalog.set_tags(name, tags, build_id)
 
     def collect_snapshots(self) -> list[str]:
         return self._pins.collect_snapshots()

@@ -112,6 +112,18 @@ class PendingPause(_Record):
     paused_at: datetime
 
 
+class TagEntry(_Record):
+    """A tag of a template name pointing at one of its builds
+    (``catalog/tags/<name>/<tag>``). The ``default`` tag is not one of these: it is the
+    name itself (``catalog/names/<name>``), which is what older nodes resolve."""
+
+    name: str
+    tag: str
+    # The build's record id (``catalog/snapshot/<target>``).
+    target: str
+    assigned_at: datetime
+
+
 class SecretEntry(_Record):
     """A secret of the E2B secrets API (``catalog/secret/<id>``; its name is the
     repository name ``secret:<name>``). Only the current version's value is kept, and

@@ -17,11 +17,13 @@ from agentenv.orchestrator.errors import (
     OperationFailed,
     RepositoryUnavailable,
     SandboxStartFailed,
+    TagNotFound,
     TemplateNotFound,
 )
 from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.resources import FilePins
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store
+from agentenv.orchestrator.tags import DEFAULT_TAG, parse_tagged
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 
@@ -64,7 +66,7 @@ class Sources:
         if template_id == BASE_TEMPLATE:
             return await self._template(template_id)
         local = self.store.get_snapshot(template_id)
-        if local is not None and (local.kind not in SHAREABLE_KINDS or local.state != "ready"):
+        if local is not None and not _usable(local):
             local = None
         if local is not None and not SnapshotDir(local.snapshot_dir).committed():
             # Not in the repository yet (its commit is under way): this node's copy.
@@ -83,13 +85,27 @@ class Sources:
                 self.pins.collect_snapshots()
             if self.store.get_template(template_id) is not None:
                 return await self._template(template_id)
+            await self._check_tag(template_id)
             raise TemplateNotFound(template_id)
-        if local is not None and local.snapshot_id == record.id:
+        if local is None or local.snapshot_id != record.id:
+            # Named otherwise here (a tag, a name that moved): this node's copy still.
+            local = self.store.get_snapshot(record.id)
+        if local is not None and local.snapshot_id == record.id and _usable(local):
             return self.local(local)
         snapshot = await self.catalog.fetch(
             record, lambda line: log.info("fetching %s: %s", record.id, line)
         )
         return Source(record.id, record.id, snapshot, record.id)
+
+    async def _check_tag(self, template_id: str) -> None:
+        """:class:`TagNotFound` (404, as E2B answers) for ``name:tag`` naming a
+        template that exists and a tag it does not have."""
+        parsed = parse_tagged(template_id)
+        if parsed is None or parsed[2] is not None:
+            return
+        name, tag, _ = parsed
+        if await self.catalog.resolve_tag(name, DEFAULT_TAG) or await self.catalog.tags(name):
+            raise TagNotFound(f"tag {tag!r} does not exist for template {name!r}")
 
     async def _template(self, template_id: str) -> Source:
         template = await self.templates.get(template_id)
@@ -113,3 +129,8 @@ class Sources:
             return MachineSnapshot.load(directory)
         except SnapshotError as exc:
             raise OperationFailed(f"source of sandbox {rec.sandbox_id}: {exc}") from exc
+
+
+def _usable(rec: SnapshotRecord) -> bool:
+    """A local snapshot that starts sandboxes (not a fork image, not deleted)."""
+    return rec.kind in SHAREABLE_KINDS and rec.state == "ready"

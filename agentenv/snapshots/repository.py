@@ -5,6 +5,8 @@ Layout under the store's root::
 
     catalog/<kind>/<id>.json      a record (any JSON object), replaced atomically
     catalog/names/<name>.json     {"target": ..., "name": ...}: a name pointing at a target
+    catalog/tags/<name>/<tag>.json  {"target": ..., "name": ..., "tag": ...}: a tag of a
+                                  template name pointing at one of its builds
     blobs/<hex>.json, chunks/...  file blobs (see :mod:`agentenv.snapshots.blobs`)
 
 Records reference blobs through a top-level ``"blobs": {role: digest}`` mapping; that is
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
 _KIND_RE = re.compile(r"[A-Za-z0-9_-]+")
 _NAMES = "names"
+_TAGS = "tags"
+_TAG_RE = re.compile(r"[a-z0-9._-]{1,128}")
 # The API refuses longer names (agentenv.limits), so what it accepts can be stored.
 _MAX_NAME = MAX_TEMPLATE_REF_LENGTH
 # Longer quoted names would overflow file name (255) and S3 key (1024) limits; they are
@@ -54,7 +58,7 @@ def _check_id(record_id: str) -> None:
 
 
 def _check_kind(kind: str) -> None:
-    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind) or kind == _NAMES:
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind) or kind in (_NAMES, _TAGS):
         raise ValueError(f"invalid record kind {kind!r}")
 
 
@@ -75,6 +79,23 @@ def _name_key(name: str) -> str:
     if len(quoted) > _MAX_QUOTED:
         quoted = "+" + hashlib.sha256(name.encode()).hexdigest()
     return f"catalog/{_NAMES}/{quoted}.json"
+
+
+def _name_segment(name: str) -> str:
+    return _name_key(name).removeprefix(f"catalog/{_NAMES}/").removesuffix(".json")
+
+
+def _tags_prefix(name: str) -> str:
+    segment = _name_segment(name)
+    if segment in (".", ".."):  # a file name in catalog/names/, not a directory here
+        segment = "+" + hashlib.sha256(name.encode()).hexdigest()
+    return f"catalog/{_TAGS}/{segment}/"
+
+
+def _tag_key(name: str, tag: str) -> str:
+    if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag) or tag in (".", ".."):
+        raise InvalidName(f"invalid tag {tag!r} (1-128 of a-z 0-9 . _ -)")
+    return f"{_tags_prefix(name)}{tag}.json"
 
 
 def _record_key(kind: str, record_id: str) -> str:
@@ -190,6 +211,28 @@ class Repository:
             return
         await self.store.delete(key)
 
+    # Tags -------------------------------------------------------------------------
+
+    async def set_tag(self, name: str, tag: str, doc: dict[str, Any]) -> None:
+        """Point tag ``tag`` of name ``name`` where ``doc`` (which says ``target``)
+        says, replacing what it pointed at."""
+        await self.store.put_bytes(_tag_key(name, tag), _encode({**doc, "name": name, "tag": tag}))
+
+    async def get_tag(self, name: str, tag: str) -> dict[str, Any] | None:
+        key = _tag_key(name, tag)
+        try:
+            data = await self.store.get_bytes(key)
+        except ObjectNotFound:
+            return None
+        return _decode(data, f"{self.url}/{key}")
+
+    async def list_tags(self, name: str) -> list[dict[str, Any]]:
+        """Every tag of name ``name``, in tag order."""
+        return list((await self._records(_tags_prefix(name))).values())
+
+    async def drop_tag(self, name: str, tag: str) -> None:
+        await self.store.delete(_tag_key(name, tag))
+
     # Blobs ------------------------------------------------------------------------
 
     async def push_file(
@@ -275,7 +318,7 @@ class Repository:
         records = await self._records("catalog/")
         referenced: set[str] = set()
         for key, record in records.items():
-            if not key.startswith(f"catalog/{_NAMES}/"):
+            if not key.startswith((f"catalog/{_NAMES}/", f"catalog/{_TAGS}/")):
                 referenced |= referenced_digests(record)
         live_hex = {blobs.parse_digest(d) for d in referenced if _is_digest(d)}
 
