@@ -41,7 +41,7 @@ from agentenv.orchestrator.errors import (
     TemplateAliasNotFound,
 )
 from agentenv.orchestrator.orchestrator import Orchestrator
-from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.orchestrator.templates import BUILTIN_TEMPLATES
 from agentenv.orchestrator.views import SnapshotView
 
 LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
@@ -211,16 +211,18 @@ def template_routes(
 
     async def template_infos() -> list[TemplateInfo]:
         infos: dict[str, TemplateInfo] = {}
-        base = orchestrator.store.get_template(BASE_TEMPLATE)
-        if base is not None:
-            infos[BASE_TEMPLATE] = TemplateInfo(
-                templateID=BASE_TEMPLATE,
+        for builtin in BUILTIN_TEMPLATES:
+            base = orchestrator.store.get_template(builtin)
+            if base is None:
+                continue
+            infos[builtin] = TemplateInfo(
+                templateID=builtin,
                 buildID=base.build_id,
                 cpuCount=base.vcpus,
                 memoryMB=base.memory_mib,
                 diskSizeMB=base.disk_size_mib,
-                aliases=[BASE_TEMPLATE],
-                names=[BASE_TEMPLATE],
+                aliases=[builtin],
+                names=[builtin],
                 createdAt=base.created_at,
                 updatedAt=base.created_at,
                 envdVersion=base.envd_version,
@@ -257,8 +259,8 @@ def template_routes(
         dependencies=list(authed),
     )
     async def resolve_alias(alias: TemplateRef) -> TemplateAliasResponse:
-        if alias == BASE_TEMPLATE:
-            return TemplateAliasResponse(templateID=BASE_TEMPLATE)
+        if alias in BUILTIN_TEMPLATES:
+            return TemplateAliasResponse(templateID=alias)
         try:
             view = await orchestrator.get_snapshot(alias, type_="template")
         except SnapshotNotFound:
