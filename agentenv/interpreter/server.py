@@ -3,7 +3,8 @@ the SDK calls, over the contexts of ``contexts.py``.
 
 ``POST /execute`` streams NDJSON as the code runs. A client that goes away (the SDK's
 ``timeout`` expired, or it was cancelled) interrupts the call it was waiting for, and only
-that call. ``GET /health`` answers 200 once the default Python context is warm.
+that call: a ``keepalive`` line every second makes its absence show up through proxies.
+``GET /health`` answers 200 once the default Python context and a spare kernel are warm.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ log = logging.getLogger("agentenv.interpreter")
 
 PORT = 49999
 LANGUAGES = ("python", "bash")
+# How often a running call writes a line the SDK ignores, so that a client gone away (its
+# `timeout` passed) is noticed and the call interrupted even while the code prints nothing.
+KEEPALIVE_S = 1.0
 # Imported in the default Python context before the template's snapshot, so the first
 # call that uses them does not pay for the import (seconds under emulation).
 WARM_MODULES = ("numpy", "pandas", "matplotlib", "matplotlib.pyplot")
@@ -210,10 +214,19 @@ class Execute(Base):
         self._context = context
         self.set_header("Content-Type", "application/x-ndjson")
         self.set_header("Cache-Control", "no-store")
-        await context.execute(code, envs, self.emit, lambda: self._gone)
+        beat = asyncio.ensure_future(self._keepalive())
+        try:
+            await context.execute(code, envs, self.emit, lambda: self._gone)
+        finally:
+            beat.cancel()
         await self.emit(wire.end())
         if not self._gone:
             self.finish()
+
+    async def _keepalive(self) -> None:
+        while not self._gone:
+            await asyncio.sleep(KEEPALIVE_S)
+            await self.emit(wire.keepalive())
 
     async def emit(self, data: bytes) -> None:
         if self._gone:

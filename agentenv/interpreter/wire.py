@@ -1,7 +1,7 @@
 """The NDJSON lines of a streamed ``POST /execute`` answer, as the SDK's ``parse_output``
 reads them: one JSON object per line with a ``type`` of ``stdout``, ``stderr``,
-``result``, ``error`` or ``number_of_executions`` (others are ignored by the SDK; the
-stream ends with ``end_of_execution``).
+``result``, ``error`` or ``number_of_executions`` (others are ignored by the SDK: the
+stream ends with ``end_of_execution``, and a silent stretch carries ``keepalive`` lines).
 
 A Jupyter MIME bundle becomes a ``result``: the MIME types the SDK's ``Result`` names get
 its fields (``text/plain`` → ``text``, ``image/png`` → ``png``, ...), any other goes to
@@ -61,6 +61,12 @@ def error(name: str, value: str, traceback: str) -> bytes:
 
 def execution_count(count: int) -> bytes:
     return line("number_of_executions", execution_count=count)
+
+
+def keepalive() -> bytes:
+    """A line the SDK ignores (unknown type), sent while code runs silently: writing it
+    is how a client that went away is noticed, here and by any proxy on the way."""
+    return line("keepalive")
 
 
 def end() -> bytes:
