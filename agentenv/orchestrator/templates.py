@@ -29,7 +29,7 @@ import httpx
 from agentenv.config import Config
 from agentenv.envd.version import ENVD_VERSION
 from agentenv.guest import GuestImage, kernel_cmdline, load_guest_image
-from agentenv.guest.interpreter import APP_DIR, ensure_interpreter_rootfs
+from agentenv.guest.interpreter import APP_DIR, InterpreterRootfs, ensure_interpreter_rootfs
 from agentenv.network import NetworkManager, SandboxNetwork
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
@@ -109,6 +109,7 @@ class TemplateManager:
         self._http = http
         self._builds: dict[str, asyncio.Task[Template]] = {}
         self._images: dict[str, asyncio.Task[MachineSnapshot]] = {}
+        self._interpreter_rootfs: dict[str, InterpreterRootfs] = {}
         self.last_error: str | None = None
 
     # -- lookup ----------------------------------------------------------------------
@@ -158,9 +159,14 @@ class TemplateManager:
         filesystem, cached in the image cache) if needed."""
         try:
             image = load_guest_image(self.config.image_cache)
-            rootfs = await ensure_interpreter_rootfs(
-                self.config.image_cache, image, lambda line: log.info("%s", line)
-            )
+            # Looked up once per guest image: the look-up takes the image cache's build
+            # lock, which a guest image build holds for minutes.
+            rootfs = self._interpreter_rootfs.get(image.digest)
+            if rootfs is None:
+                rootfs = await ensure_interpreter_rootfs(
+                    self.config.image_cache, image, lambda line: log.info("%s", line)
+                )
+                self._interpreter_rootfs[image.digest] = rootfs
         except Exception as exc:
             raise TemplateUnavailable(f"code-interpreter root filesystem: {exc}") from exc
         machine = _Machine(
