@@ -69,7 +69,7 @@ from agentenv.orchestrator.errors import (
     TemplateAliasNotFound,
 )
 from agentenv.orchestrator.orchestrator import Orchestrator
-from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.orchestrator.templates import BUILTIN_TEMPLATES
 from agentenv.orchestrator.views import SandboxView, SnapshotView
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
@@ -510,7 +510,7 @@ def create_app(
     )
     async def delete_template(template_id: TemplateRef) -> Response:
         """The SDK deletes snapshots through this route (they are templates to E2B)."""
-        if template_id == BASE_TEMPLATE or orchestrator.store.get_template(template_id):
+        if template_id in BUILTIN_TEMPLATES or orchestrator.store.get_template(template_id):
             raise ApiError(409, f"template {template_id!r} is built in and cannot be deleted")
         try:
             # By name (or name:tag): the template with all its builds and tags.

@@ -48,7 +48,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.tags import DEFAULT_TAG, normalize_tags, split_name
-from agentenv.orchestrator.templates import BASE_TEMPLATE
+from agentenv.orchestrator.templates import BUILTIN_TEMPLATES
 from agentenv.orchestrator.views import SnapshotView
 
 LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
@@ -111,8 +111,8 @@ def template_routes(
         """Point ``tags`` at the build ``target`` (``name:tag``, or ``name`` for its
         default tag) names; 404 when it names none."""
         name = body.target.partition(":")[0]
-        if name == BASE_TEMPLATE:
-            raise Conflict(f"{BASE_TEMPLATE!r} is built in and takes no tags")
+        if name in BUILTIN_TEMPLATES:
+            raise Conflict(f"{name!r} is built in and takes no tags")
         # "name:tag" must mean one thing: a snapshot's name, or this tag.
         await not_snapshots([f"{name}:{tag}" for tag in normalize_tags(body.tags)])
         build_id, tags = await orchestrator.tags.assign(body.target, body.tags)
@@ -133,7 +133,7 @@ def template_routes(
     )
     async def list_tags(template_id: TemplateRef) -> list[TemplateTag]:
         """The tags of the template a name, ``name:tag`` or build id refers to."""
-        if template_id == BASE_TEMPLATE:
+        if template_id in BUILTIN_TEMPLATES:
             return []
         return [
             TemplateTag(tag=v.tag, buildID=v.build_id, createdAt=v.assigned_at)
@@ -261,16 +261,18 @@ def template_routes(
 
     async def template_infos() -> list[TemplateInfo]:
         infos: dict[str, TemplateInfo] = {}
-        base = orchestrator.store.get_template(BASE_TEMPLATE)
-        if base is not None:
-            infos[BASE_TEMPLATE] = TemplateInfo(
-                templateID=BASE_TEMPLATE,
+        for builtin in BUILTIN_TEMPLATES:
+            base = orchestrator.store.get_template(builtin)
+            if base is None:
+                continue
+            infos[builtin] = TemplateInfo(
+                templateID=builtin,
                 buildID=base.build_id,
                 cpuCount=base.vcpus,
                 memoryMB=base.memory_mib,
                 diskSizeMB=base.disk_size_mib,
-                aliases=[BASE_TEMPLATE],
-                names=[BASE_TEMPLATE],
+                aliases=[builtin],
+                names=[builtin],
                 createdAt=base.created_at,
                 updatedAt=base.created_at,
                 envdVersion=base.envd_version,
@@ -307,8 +309,8 @@ def template_routes(
         dependencies=list(authed),
     )
     async def resolve_alias(alias: TemplateRef) -> TemplateAliasResponse:
-        if alias == BASE_TEMPLATE:
-            return TemplateAliasResponse(templateID=BASE_TEMPLATE)
+        if alias in BUILTIN_TEMPLATES:
+            return TemplateAliasResponse(templateID=alias)
         try:
             view = await orchestrator.get_snapshot(alias, type_="template")
         except SnapshotNotFound:
@@ -330,7 +332,7 @@ def template_routes(
     async def get_template(template_id: TemplateRef) -> TemplateInfo:
         # A name (or name:tag) means the build it starts now, not an older one of it.
         wanted = template_id
-        if template_id != BASE_TEMPLATE:
+        if template_id not in BUILTIN_TEMPLATES:
             with contextlib.suppress(SnapshotNotFound):
                 wanted = (await orchestrator.get_snapshot(template_id, "template")).snapshot_id
         infos = await template_infos()

@@ -60,7 +60,7 @@ from agentenv.orchestrator.readiness import (
 )
 from agentenv.orchestrator.store import utcnow
 from agentenv.orchestrator.tags import DEFAULT_TAG, TEMPLATE_NAME_KEY
-from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
+from agentenv.orchestrator.templates import BASE_TEMPLATE, BUILTIN_TEMPLATES, TemplateManager
 from agentenv.orchestrator.upload_check import UploadMismatch, check_upload
 from agentenv.orchestrator.views import SandboxView, SnapshotView
 from agentenv.snapshots.layout import MachineSnapshot
@@ -191,8 +191,8 @@ class BuildManager:
         ``default`` when empty) once ready."""
         if not name or len(name) > 128 or any(c.isspace() for c in name) or ":" in name:
             raise InvalidRequest(f"bad template name {name!r}")
-        if name == "base":
-            raise Conflict("the name 'base' is the built-in template's")
+        if name in BUILTIN_TEMPLATES:
+            raise Conflict(f"the name {name!r} is a built-in template's")
         cpus = cpu_count or self.config.vcpus
         memory = memory_mb or self.config.memory_mib
         if not 1 <= cpus <= 64 or not 128 <= memory <= 65536:

@@ -24,7 +24,7 @@ from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.resources import FilePins
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store
 from agentenv.orchestrator.tags import DEFAULT_TAG, parse_tagged
-from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
+from agentenv.orchestrator.templates import BUILTIN_TEMPLATES, TemplateManager
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 
 log = logging.getLogger("agentenv.orchestrator")
@@ -60,10 +60,10 @@ class Sources:
 
     async def resolve(self, template_id: str) -> Source:
         """A template id or name, or a snapshot id or name: all start sandboxes. The
-        built-in ``base`` is built on each node; everything else is the repository's
+        built-in templates are built on each node; everything else is the repository's
         (which is authoritative: a snapshot deleted on another node is gone here too),
         from this node's own copy when it has one, else fetched into the node cache."""
-        if template_id == BASE_TEMPLATE:
+        if template_id in BUILTIN_TEMPLATES:
             return await self._template(template_id)
         local = self.store.get_snapshot(template_id)
         if local is not None and not _usable(local):

@@ -1,9 +1,13 @@
 """Templates: snapshots of a booted guest that every sandbox is restored from.
 
-The ``base`` template is made by cold-booting the guest image once, waiting until envd
-answers, and saving the machine. A build is identified by the inputs that shape the
-snapshot (image digest, driver, accelerator, machine size, kernel command line), so a new
-guest image or machine size produces a new build and old sandboxes keep their own.
+The built-in templates are made on each node by cold-booting a root filesystem once,
+waiting until envd answers, and saving the machine: ``base`` from the guest image's, and
+``code-interpreter-v1`` (built on first use) from the code-interpreter root filesystem
+(``agentenv/guest/interpreter.py``), whose interpreter server is started and waited for
+until its default Python kernel is warm before the save. A build is identified by the
+inputs that shape the snapshot (image digest, driver, accelerator, machine size, kernel
+command line, root filesystem), so a new guest image or machine size produces a new build
+and old sandboxes keep their own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import httpx
 from agentenv.config import Config
 from agentenv.envd.version import ENVD_VERSION
 from agentenv.guest import GuestImage, kernel_cmdline, load_guest_image
+from agentenv.guest.interpreter import APP_DIR, InterpreterRootfs, ensure_interpreter_rootfs
 from agentenv.network import NetworkManager, SandboxNetwork
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
@@ -45,16 +50,33 @@ from agentenv.vmm.base import (
 log = logging.getLogger("agentenv.templates")
 
 BASE_TEMPLATE = "base"
+# The template the e2b-code-interpreter SDK starts by default.
+CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1"
+BUILTIN_TEMPLATES = (BASE_TEMPLATE, CODE_INTERPRETER_TEMPLATE)
+# A Python kernel with numpy, pandas and matplotlib loaded takes ~150 MiB; a sandbox has
+# room for the server, the default kernel and a few more contexts.
+CODE_INTERPRETER_MIN_MEMORY_MIB = 1024
+CODE_INTERPRETER_PORT = 49999
+CODE_INTERPRETER_READY_TIMEOUT_S = 900.0
+# Runs as the guest's `user`, like E2B's code interpreter; output kept for diagnosis.
+CODE_INTERPRETER_START = (
+    f"cd /home/user && PYTHONPATH={APP_DIR} AENV_INTERPRETER_HOME={APP_DIR} "
+    "nohup python3 -m agentenv.interpreter --home /home/user "
+    ">/tmp/.aenv-interpreter.log 2>&1 </dev/null &"
+)
 
 
 @dataclass(frozen=True)
 class _Machine:
     """What a template boot may change from the node's defaults: the root filesystem
-    (the guest image's) and the machine size (the config's)."""
+    (the guest image's), the machine size (the config's), and a server to start and wait
+    for (on ``ready_port``'s ``/health``) before the save."""
 
     rootfs: Path | None = None
     vcpus: int | None = None
     memory_mib: int | None = None
+    start: str | None = None
+    ready_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,13 +109,16 @@ class TemplateManager:
         self._http = http
         self._builds: dict[str, asyncio.Task[Template]] = {}
         self._images: dict[str, asyncio.Task[MachineSnapshot]] = {}
+        self._interpreter_rootfs: dict[str, InterpreterRootfs] = {}
         self.last_error: str | None = None
 
     # -- lookup ----------------------------------------------------------------------
     async def get(self, template_id: str) -> Template:
-        """The ready template ``template_id``; waits for ``base`` if it is being built."""
+        """The ready template ``template_id``; waits for a built-in one being built."""
         if template_id == BASE_TEMPLATE:
             return await self.ensure_base()
+        if template_id == CODE_INTERPRETER_TEMPLATE:
+            return await self.ensure_code_interpreter()
         record = self.store.get_template(template_id)
         if record is None:
             raise TemplateNotFound(template_id)
@@ -127,32 +152,67 @@ class TemplateManager:
             image = load_guest_image(self.config.image_cache)
         except Exception as exc:
             raise TemplateUnavailable(f"guest image not available: {exc}") from exc
-        build_id = self.base_build_id(image)
-        record = self.store.get_template(BASE_TEMPLATE)
+        return await self._ensure_builtin(BASE_TEMPLATE, self.base_build_id(image), image, None)
+
+    async def ensure_code_interpreter(self) -> Template:
+        """The current ``code-interpreter-v1`` build, building it (and its root
+        filesystem, cached in the image cache) if needed."""
+        try:
+            image = load_guest_image(self.config.image_cache)
+            # Looked up once per guest image: the look-up takes the image cache's build
+            # lock, which a guest image build holds for minutes.
+            rootfs = self._interpreter_rootfs.get(image.digest)
+            if rootfs is None:
+                rootfs = await ensure_interpreter_rootfs(
+                    self.config.image_cache, image, lambda line: log.info("%s", line)
+                )
+                self._interpreter_rootfs[image.digest] = rootfs
+        except Exception as exc:
+            raise TemplateUnavailable(f"code-interpreter root filesystem: {exc}") from exc
+        machine = _Machine(
+            rootfs=rootfs.path,
+            memory_mib=max(self.config.memory_mib, CODE_INTERPRETER_MIN_MEMORY_MIB),
+            start=CODE_INTERPRETER_START,
+            ready_port=CODE_INTERPRETER_PORT,
+        )
+        inputs = {
+            "base": self.base_build_id(image),
+            "rootfs": rootfs.key,
+            "memory": machine.memory_mib,
+        }
+        build_id = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+        return await self._ensure_builtin(CODE_INTERPRETER_TEMPLATE, build_id, image, machine)
+
+    async def _ensure_builtin(
+        self, template_id: str, build_id: str, image: GuestImage, machine: _Machine | None
+    ) -> Template:
+        record = self.store.get_template(template_id)
         if record is not None and record.build_id == build_id:
             return self._load(record)
         task = self._builds.get(build_id)
         if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.get_running_loop().create_task(self._build_base(image, build_id))
+            task = asyncio.get_running_loop().create_task(
+                self._build_builtin(template_id, image, build_id, machine)
+            )
             self._builds[build_id] = task
         # shield: a caller that gives up must not cancel a build others wait for.
         return await asyncio.shield(task)
 
-    async def _build_base(self, image: GuestImage, build_id: str) -> Template:
-        final = self.config.templates_dir / BASE_TEMPLATE / build_id
+    async def _build_builtin(
+        self, template_id: str, image: GuestImage, build_id: str, machine: _Machine | None
+    ) -> Template:
+        final = self.config.templates_dir / template_id / build_id
         if final.exists():
             try:
                 snapshot = MachineSnapshot.load(final)
-                return self._register(BASE_TEMPLATE, build_id, snapshot)
+                return self._register(template_id, build_id, snapshot)
             except SnapshotError:
                 log.warning("discarding unreadable template build %s", final)
                 discard(final)
-        log.info(
-            "building template %s (build %s): cold boot of the guest image", BASE_TEMPLATE, build_id
-        )
+        log.info("building template %s (build %s): cold boot", template_id, build_id)
         started = asyncio.get_running_loop().time()
         try:
-            snapshot = await self._boot_with_retries(image, final)
+            snapshot = await self._boot_with_retries(image, final, machine)
         except Exception as exc:
             self.last_error = str(exc)
             log.error("template build failed: %s", exc)
@@ -161,8 +221,8 @@ class TemplateManager:
             raise TemplateUnavailable(f"template build failed: {exc}") from exc
         self.last_error = None
         elapsed = asyncio.get_running_loop().time() - started
-        log.info("template %s ready in %.1fs", BASE_TEMPLATE, elapsed)
-        return self._register(BASE_TEMPLATE, build_id, snapshot)
+        log.info("template %s ready in %.1fs", template_id, elapsed)
+        return self._register(template_id, build_id, snapshot)
 
     def _register(self, template_id: str, build_id: str, snapshot: MachineSnapshot) -> Template:
         record = TemplateRecord(
@@ -282,6 +342,8 @@ class TemplateManager:
                     str(exc), f"{exc}; console kept in {kept}; tail:\n{_tail(kept)}"
                 ) from exc
             await envd_client.warm_up(self._http, net.guest_address)
+            if machine.start is not None:
+                await self._start_server(net.guest_address, machine, alive)
             files = await vm.save_state(staging)
             await vm.kill()
             vm = None
@@ -318,6 +380,48 @@ class TemplateManager:
             if net is not None:
                 await self.network.destroy(slot)
             self._release_slot(slot)
+
+    async def _start_server(
+        self, address: str, machine: _Machine, alive: Callable[[], bool]
+    ) -> None:
+        """Start the template's server in the guest and wait until it answers
+        ``/health`` (which it does only once warm)."""
+        assert machine.start is not None and machine.ready_port is not None
+        started = await envd_client.execute(self._http, address, machine.start, user="user")
+        if started.exit_code != 0:
+            raise TemplateUnavailable(f"the template's server did not start: {started.error}")
+        url = f"http://{address}:{machine.ready_port}/health"
+        began = time.monotonic()
+        deadline = began + CODE_INTERPRETER_READY_TIMEOUT_S
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if not alive():
+                raise TemplateUnavailable("the VM exited while its server was starting")
+            try:
+                response = await self._http.get(url, timeout=5.0)
+                if response.is_success:
+                    log.info(
+                        "server on :%d ready after %.1fs",
+                        machine.ready_port,
+                        time.monotonic() - began,
+                    )
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(1.0)
+        lines: list[str] = []
+        await envd_client.execute(
+            self._http,
+            address,
+            "tail -n 30 /tmp/.aenv-interpreter.log",
+            user="root",
+            on_output=lambda _stream, line: lines.append(line),
+        )
+        raise TemplateUnavailable(
+            f"the template's server on :{machine.ready_port} was not ready after "
+            f"{CODE_INTERPRETER_READY_TIMEOUT_S:.0f}s ({last}); its log:\n" + "\n".join(lines)
+        )
 
     def cleanup_staging(self) -> None:
         """Remove half-built templates a crashed server left behind."""

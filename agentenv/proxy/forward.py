@@ -31,6 +31,8 @@ import contextlib
 import hmac
 import logging
 import re
+import socket
+from asyncio.trsock import TransportSocket
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -413,6 +415,7 @@ async def _relay_body(
     otherwise raises :class:`ExchangeCut`: a clean end would pass a truncated download
     or an unfinished command off as complete."""
     chunks = upstream.aiter_raw()
+    finished = False
     try:
         while True:
             try:
@@ -433,6 +436,7 @@ async def _relay_body(
                 if step is not None:
                     chunk = step[0]
                     if chunk is None:
+                        finished = True
                         return
                     if framing is not None:
                         framing.feed(chunk)
@@ -445,7 +449,23 @@ async def _relay_body(
                 return
             raise ExchangeCut(message)
     finally:
-        await upstream.aclose()
+        if not finished:
+            # The client went away (or the exchange was cut): the guest must see its
+            # connection end now, as it would have seen the client's, not when it next
+            # writes or finishes (a code interpreter interrupts the call it was running).
+            # Closing the response alone does not reliably get there while the
+            # cancelled read is still unwinding.
+            _shut_down(upstream)
+        await asyncio.shield(upstream.aclose())
+
+
+def _shut_down(upstream: httpx.Response) -> None:
+    stream = upstream.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    # asyncio hands its sockets out wrapped (TransportSocket), shutdown included.
+    if isinstance(sock, socket.socket | TransportSocket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class SandboxTrafficMiddleware:
