@@ -53,6 +53,7 @@ from agentenv.api.network import create_options, network_info, updated_egress
 from agentenv.api.params import SandboxId, TemplateRef
 from agentenv.api.secrets import secret_routes
 from agentenv.api.templates import UPLOAD_PATH, template_routes
+from agentenv.api.volumes import VOLUME_UPLOAD_PATH, volume_routes
 from agentenv.cluster.heartbeat import Heartbeat
 from agentenv.limits import (
     MAX_PAGE_SIZE,
@@ -67,6 +68,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.templates import BASE_TEMPLATE
 from agentenv.orchestrator.views import SandboxView, SnapshotView
+from agentenv.orchestrator.volumes import Requested
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
 log = logging.getLogger("agentenv.api")
@@ -122,7 +124,9 @@ def create_app(
     # are not. Added first, so it runs inside the proxy's middleware: sandbox traffic
     # (envd file uploads) never reaches it.
     app.add_middleware(
-        BodyLimitMiddleware, limit=MAX_REQUEST_BODY_BYTES, exempt=re.compile(UPLOAD_PATH)
+        BodyLimitMiddleware,
+        limit=MAX_REQUEST_BODY_BYTES,
+        exempt=re.compile(f"(?:{UPLOAD_PATH})|(?:{VOLUME_UPLOAD_PATH})"),
     )
     # Sandbox traffic goes to the proxy before routing and authentication.
     app.add_middleware(SandboxTrafficMiddleware, proxy=proxy)
@@ -143,6 +147,7 @@ def create_app(
     authed = [Depends(require_api_key)]
     app.include_router(template_routes(orchestrator, builds, api_key, authed))
     app.include_router(secret_routes(orchestrator, authed))
+    app.include_router(volume_routes(orchestrator, authed))
 
     def sandbox_body(view: SandboxView) -> Sandbox:
         rec = view.record
@@ -248,6 +253,7 @@ def create_app(
                 network=network,
                 auto_pause=body.auto_pause,
                 auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
+                volume_mounts=[Requested(m.name, m.path) for m in body.volume_mounts],
             )
             return sandbox_body(view)
 

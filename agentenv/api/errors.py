@@ -43,6 +43,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     # The alias lookup route answers 404, unlike a create's unknown template.
     ErrorCode.TEMPLATE_ALIAS_NOT_FOUND: 404,
     ErrorCode.SECRET_NOT_FOUND: 404,
+    ErrorCode.VOLUME_NOT_FOUND: 404,
 }
 
 _DESCRIPTIONS = {
@@ -50,7 +51,7 @@ _DESCRIPTIONS = {
     "unknown template in a create",
     401: "Missing or wrong API key",
     403: "Bad upload token",
-    404: "No such sandbox, snapshot, template or route",
+    404: "No such sandbox, snapshot, template, volume or route",
     409: "Conflict with the current state (already paused, name taken, ...)",
     413: "Request body too large",
     431: "Request headers too large",

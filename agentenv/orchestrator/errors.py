@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     BUILD_FAILED = "build_failed"
     TEMPLATE_ALIAS_NOT_FOUND = "template_alias_not_found"
     SECRET_NOT_FOUND = "secret_not_found"
+    VOLUME_NOT_FOUND = "volume_not_found"
 
 
 class OrchestratorError(Exception):
@@ -156,3 +157,13 @@ class TemplateAliasNotFound(OrchestratorError):
 
     def __init__(self, alias: str) -> None:
         super().__init__(f"template {alias!r} not found")
+
+
+class VolumeNotFound(OrchestratorError):
+    """No volume with that id or name (or, on the content API, a wrong volume token)."""
+
+    code = ErrorCode.VOLUME_NOT_FOUND
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"volume {key!r} not found")
+        self.key = key

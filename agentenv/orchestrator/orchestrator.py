@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -80,6 +80,7 @@ from agentenv.orchestrator.sync import RepositorySync
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.orchestrator.tokens import EnvdTokens
 from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
+from agentenv.orchestrator.volumes import Requested, Volumes
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.clone import supports_reflink
 from agentenv.vmm.base import VMMDriver
@@ -143,6 +144,7 @@ class Orchestrator:
         # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
         # filter, on the host, per request.
         self.network.resolve_secrets_with(self.secrets.value)
+        self.volumes = Volumes(config.home / "volumes", config.node_name, self.catalog, self.store)
         self.templates = TemplateManager(
             config,
             self.store,
@@ -192,6 +194,7 @@ class Orchestrator:
             self._resharing,
             self._sync,
             self.http,
+            self.volumes,
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
         )
@@ -258,6 +261,7 @@ class Orchestrator:
         )
         self.store.open()
         self.catalog.startup()
+        self.volumes.startup()
         self.templates.cleanup_staging()
         await self._recovery.run()
         self._sync.resume_unfinished()
@@ -464,9 +468,11 @@ class Orchestrator:
         network: NetworkOptions | None = None,
         auto_pause: bool = False,
         auto_resume: bool = False,
+        volume_mounts: Sequence[Requested] = (),
     ) -> SandboxView:
         """A new sandbox from a template or snapshot. ``network`` defaults to the most
-        closed options (nothing leaves but DNS)."""
+        closed options (nothing leaves but DNS). ``volume_mounts`` are volumes (by name)
+        mounted at paths in the guest (see :mod:`.volumes`)."""
         self._free_space.check("create")
         timeout = self.timeouts.pick(timeout)
         source = await self._sources.resolve(template_id)
@@ -477,6 +483,7 @@ class Orchestrator:
             network=network or NetworkOptions(),
             auto_pause=auto_pause,
             auto_resume=auto_resume,
+            volume_mounts=tuple(volume_mounts),
         )
         return await self._start(source, identity, timeout, private_memory=False)
 
@@ -597,6 +604,7 @@ class Orchestrator:
 
         async def work() -> SnapshotView:
             rec = self._lifecycle.existing(sandbox_id)
+            _refuse_volumes(rec, "snapshotted")
             if name is not None and replace_name:
                 existing = self.store.get_snapshot(name)
                 if existing is not None and existing.name == name:
@@ -652,6 +660,7 @@ class Orchestrator:
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
             rec = self._lifecycle.existing(sandbox_id)
+            _refuse_volumes(rec, "forked")
             return rec, await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
 
         parent, image = await self._operations.run(
@@ -779,3 +788,14 @@ class Orchestrator:
 
 def _log_event(event: SandboxEvent) -> None:
     log.debug("sandbox %s: %s -> %s", event.sandbox_id, event.old or "new", event.new or "gone")
+
+
+def _refuse_volumes(rec: SandboxRecord, what: str) -> None:
+    """A sandbox with volumes mounted is not captured: its RAM holds the mounted
+    filesystem, which the volume's later content would not match (and E2B keeps volume
+    content out of snapshots)."""
+    if rec.volumes:
+        names = ", ".join(m.name for m in rec.volumes)
+        raise Conflict(
+            f"sandbox {rec.sandbox_id} has volumes mounted ({names}): it cannot be {what}"
+        )
