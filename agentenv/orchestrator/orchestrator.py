@@ -578,6 +578,16 @@ class Orchestrator:
         return await self.resume(sandbox_id, timeout)
 
     # -- snapshots and forks ---------------------------------------------------------------
+    def _volumes_unmounted(
+        self, rec: SandboxRecord
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """A running sandbox's volumes left out of what is captured (see
+        :meth:`Volumes.unmounted`)."""
+        if not rec.volumes or rec.state != SandboxState.RUNNING:
+            return contextlib.nullcontext()
+        address = self.network.describe(rec.slot).guest_address
+        return self.volumes.unmounted(self.http, address, rec.envd_token, rec.volumes)
+
     async def snapshot(
         self,
         sandbox_id: str,
@@ -604,14 +614,14 @@ class Orchestrator:
 
         async def work() -> SnapshotView:
             rec = self._lifecycle.existing(sandbox_id)
-            _refuse_volumes(rec, "snapshotted")
             if name is not None and replace_name:
                 existing = self.store.get_snapshot(name)
                 if existing is not None and existing.name == name:
                     self.store.update_snapshot(existing.snapshot_id, name=None)
-            snap_rec = await self._capture.capture(
-                rec, kind, name, metadata or {}, snapshot_id or new_snapshot_id()
-            )
+            async with self._volumes_unmounted(rec):
+                snap_rec = await self._capture.capture(
+                    rec, kind, name, metadata or {}, snapshot_id or new_snapshot_id()
+                )
             return SnapshotView(snap_rec)
 
         view = await self._operations.run(
@@ -660,8 +670,9 @@ class Orchestrator:
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
             rec = self._lifecycle.existing(sandbox_id)
-            _refuse_volumes(rec, "forked")
-            return rec, await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
+            async with self._volumes_unmounted(rec):
+                image = await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
+            return rec, image
 
         parent, image = await self._operations.run(
             sandbox_id, "fork", lambda: self._liveness.guard(sandbox_id, capture), join=False
@@ -788,14 +799,3 @@ class Orchestrator:
 
 def _log_event(event: SandboxEvent) -> None:
     log.debug("sandbox %s: %s -> %s", event.sandbox_id, event.old or "new", event.new or "gone")
-
-
-def _refuse_volumes(rec: SandboxRecord, what: str) -> None:
-    """A sandbox with volumes mounted is not captured: its RAM holds the mounted
-    filesystem, which the volume's later content would not match (and E2B keeps volume
-    content out of snapshots)."""
-    if rec.volumes:
-        names = ", ".join(m.name for m in rec.volumes)
-        raise Conflict(
-            f"sandbox {rec.sandbox_id} has volumes mounted ({names}): it cannot be {what}"
-        )

@@ -269,3 +269,40 @@ class Volumes:
             )
         except envd_client.EnvdUnreachable as exc:
             log.warning("flushing volumes %s failed: %s", ", ".join(m.name for m in mounts), exc)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def unmounted(
+        cls,
+        http: httpx.AsyncClient,
+        address: str,
+        token: str | None,
+        mounts: Sequence[VolumeMount],
+    ) -> AsyncIterator[None]:
+        """The guest's volumes unmounted while the block runs (a snapshot or fork is
+        taken), mounted again after. A volume is not part of a snapshot (nor is it in
+        E2B): sandboxes started from one mount volumes of their own, and the guest RAM
+        captured must not hold a mounted filesystem whose device they will not have. A
+        volume the guest is using (open files, a working directory) cannot be unmounted:
+        409, and nothing is captured."""
+        done: list[VolumeMount] = []
+        try:
+            for m in mounts:
+                output: list[str] = []
+
+                def keep(_stream: str, line: str, lines: list[str] = output) -> None:
+                    lines.append(line)
+
+                result = await envd_client.execute(
+                    http, address, ["/bin/umount", m.path], user="root", on_output=keep,
+                    timeout=60.0, access_token=token,
+                )  # fmt: skip
+                if result.exit_code != 0:
+                    raise Conflict(
+                        f"volume {m.name!r} at {m.path} is in use in the sandbox and cannot be "
+                        f"left out of the snapshot: {' '.join(output)}"
+                    )
+                done.append(m)
+            yield
+        finally:
+            await cls.mount_in_guest(http, address, token, done)

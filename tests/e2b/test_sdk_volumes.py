@@ -114,6 +114,32 @@ def test_mount_persists_across_sandboxes_and_pause(
         second.kill()
 
 
+def test_snapshot_leaves_the_volume_out(e2b: E2B) -> None:
+    """The source keeps its volume through a snapshot; the snapshot holds no volume
+    (as in E2B), and a sandbox started from it mounts one of its own."""
+    mine, other = e2b.Volume.create(_name("snap")), e2b.Volume.create(_name("other"))
+    other.write_file("/who", "other")
+    source = e2b.Sandbox.create(timeout=300, volume_mounts={"/data": mine})
+    child = None
+    try:
+        source.commands.run("echo kept > /data/kept")
+        busy = source.commands.run("sleep 600", cwd="/data", background=True)
+        with pytest.raises(SandboxException, match="in use"):
+            source.create_snapshot()  # the guest uses the volume: nothing is captured
+        busy.kill()
+        snap = source.create_snapshot()
+        assert source.commands.run("cat /data/kept").stdout == "kept\n"
+        child = e2b.Sandbox.create(snap.snapshot_id, timeout=120, volume_mounts={"/data": other})
+        assert child.commands.run("cat /data/who; ls /data").stdout == "otherlost+found\nwho\n"
+        e2b.Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        source.kill()
+        if child is not None:
+            child.kill()
+        e2b.Volume.destroy(mine.volume_id)
+        e2b.Volume.destroy(other.volume_id)
+
+
 def test_unknown_volume_at_create_is_not_found(e2b: E2B) -> None:
     with pytest.raises(SandboxException, match="not found"):
         e2b.Sandbox.create(timeout=60, volume_mounts={"/data": _name("absent")})
