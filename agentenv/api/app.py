@@ -48,6 +48,7 @@ from agentenv.api.models import (
     SnapshotInfo,
     SnapshotRequest,
     TimeoutRequest,
+    VolumeMountBody,
 )
 from agentenv.api.network import create_options, network_info, updated_egress
 from agentenv.api.params import SandboxId, TemplateRef
@@ -192,6 +193,7 @@ def create_app(
             ),
             allowInternetAccess=rec.network.egress.allow_internet,
             network=network_info(rec.network),
+            volumeMounts=[VolumeMountBody(name=m.name, path=m.path) for m in rec.volumes] or None,
         )
 
     def snapshot_body(view: SnapshotView) -> SnapshotInfo:

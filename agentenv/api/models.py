@@ -321,6 +321,7 @@ class SandboxDetail(BaseModel):
     lineage: Lineage | None = None
     allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
     network: NetworkInfo | None = None
+    volume_mounts: list[VolumeMountBody] | None = Field(default=None, alias="volumeMounts")
 
 
 class Lineage(BaseModel):

@@ -265,7 +265,6 @@ class Lifecycle:
             if vm is not None:
                 await vm.kill()
             await self.machines.discard(rec)
-            self.volumes.release(sandbox_id)
             if isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError):
                 log.error("sandbox %s failed to start: %s", sandbox_id, exc)
                 raise SandboxStartFailed(f"sandbox failed to start: {exc}") from exc
@@ -499,7 +498,6 @@ class Lifecycle:
         shutil.rmtree(rec.workdir, ignore_errors=True)
         self.store.delete_sandbox(sandbox_id)
         phases.mark("files")
-        self.volumes.release(sandbox_id)
         self.pins.collect_snapshots()
         log.info("sandbox %s killed in %s", sandbox_id, phases)
 

@@ -17,8 +17,9 @@ moved between nodes yet), a destroy while held, and snapshotting or forking a sa
 that has volumes mounted: the guest's RAM holds the mounted filesystem, and E2B does not
 put volume content in snapshots either.
 
-Owns the map of holders (rebuilt from sandbox records at start) and the per-volume
-locks; does not start VMs or change sandbox states.
+Owns the map of holders (rebuilt from sandbox records at start, and a sandbox's
+entries dropped when its record goes) and the per-volume locks; does not start VMs or
+change sandbox states.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from agentenv.orchestrator.errors import (
     VolumeNotFound,
 )
 from agentenv.orchestrator.records import VolumeEntry
-from agentenv.orchestrator.store import Store, VolumeMount, utcnow
+from agentenv.orchestrator.store import SandboxEvent, Store, VolumeMount, utcnow
 from agentenv.storage.volumes import (
     MountedVolume,
     VolumeImageError,
@@ -84,6 +85,13 @@ class Volumes:
         self.store = store
         self._holders: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Whatever removes a sandbox's record (kill, a failed create, a VMM that died
+        # with its disk gone, recovery, a handoff) lets go of its volumes.
+        store.listen(self._on_sandbox_event)
+
+    def _on_sandbox_event(self, event: SandboxEvent) -> None:
+        if event.new is None:
+            self.release(event.sandbox_id)
 
     def startup(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -89,6 +89,7 @@ def test_mount_persists_across_sandboxes_and_pause(
     first = e2b.Sandbox.create(timeout=300, volume_mounts={"/data": volume})
     try:
         assert first.files.read("/data/from-api.txt") == "written by the content API"
+        assert first.get_info().volume_mounts == [{"name": volume.name, "path": "/data"}]
         first.commands.run("echo from-first > /data/first.txt && sync")
         # One writer: a second sandbox, a destroy and the content API are refused.
         with pytest.raises(SandboxException, match="in use"):
