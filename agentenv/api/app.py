@@ -48,6 +48,7 @@ from agentenv.api.models import (
     SnapshotInfo,
     SnapshotRequest,
     TimeoutRequest,
+    VolumeMountBody,
 )
 from agentenv.api.network import create_options, network_info, updated_egress
 from agentenv.api.nodes import NodeBook, node_routes
@@ -55,6 +56,7 @@ from agentenv.api.params import SandboxId, TemplateRef
 from agentenv.api.secrets import secret_routes
 from agentenv.api.telemetry import NodeTelemetry
 from agentenv.api.templates import UPLOAD_PATH, template_routes
+from agentenv.api.volumes import VOLUME_UPLOAD_PATH, volume_routes
 from agentenv.cluster.heartbeat import Heartbeat
 from agentenv.limits import (
     MAX_PAGE_SIZE,
@@ -71,6 +73,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.templates import BUILTIN_TEMPLATES
 from agentenv.orchestrator.views import SandboxView, SnapshotView
+from agentenv.orchestrator.volumes import Requested
 from agentenv.proxy.forward import SandboxProxy, SandboxTrafficMiddleware
 
 log = logging.getLogger("agentenv.api")
@@ -129,7 +132,9 @@ def create_app(
     # are not. Added first, so it runs inside the proxy's middleware: sandbox traffic
     # (envd file uploads) never reaches it.
     app.add_middleware(
-        BodyLimitMiddleware, limit=MAX_REQUEST_BODY_BYTES, exempt=re.compile(UPLOAD_PATH)
+        BodyLimitMiddleware,
+        limit=MAX_REQUEST_BODY_BYTES,
+        exempt=re.compile(f"(?:{UPLOAD_PATH})|(?:{VOLUME_UPLOAD_PATH})"),
     )
     # Sandbox traffic goes to the proxy before routing and authentication.
     app.add_middleware(SandboxTrafficMiddleware, proxy=proxy)
@@ -155,6 +160,7 @@ def create_app(
     app.include_router(template_routes(orchestrator, builds, api_key, authed))
     app.include_router(node_routes(book, authed))
     app.include_router(secret_routes(orchestrator, authed))
+    app.include_router(volume_routes(orchestrator, authed))
 
     def sandbox_body(view: SandboxView) -> Sandbox:
         rec = view.record
@@ -199,6 +205,7 @@ def create_app(
             ),
             allowInternetAccess=rec.network.egress.allow_internet,
             network=network_info(rec.network),
+            volumeMounts=[VolumeMountBody(name=m.name, path=m.path) for m in rec.volumes] or None,
         )
 
     def snapshot_body(view: SnapshotView) -> SnapshotInfo:
@@ -260,6 +267,7 @@ def create_app(
                 network=network,
                 auto_pause=body.auto_pause,
                 auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
+                volume_mounts=[Requested(m.name, m.path) for m in body.volume_mounts],
             )
             view = await telemetry.timed("create", started)
             return sandbox_body(view)

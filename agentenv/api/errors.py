@@ -46,6 +46,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.COMMIT_PENDING: 503,
     ErrorCode.TAG_NOT_FOUND: 404,
     ErrorCode.SECRET_NOT_FOUND: 404,
+    ErrorCode.VOLUME_NOT_FOUND: 404,
 }
 
 _DESCRIPTIONS = {
@@ -53,7 +54,7 @@ _DESCRIPTIONS = {
     "unknown template in a create",
     401: "Missing or wrong API key",
     403: "Bad upload token",
-    404: "No such sandbox, snapshot, template or route",
+    404: "No such sandbox, snapshot, template, volume or route",
     409: "Conflict with the current state (already paused, name taken, ...)",
     413: "Request body too large",
     431: "Request headers too large",

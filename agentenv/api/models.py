@@ -130,9 +130,61 @@ class ErrorBody(BaseModel):
     message: str
 
 
+class VolumeMountBody(BaseModel):
+    """A volume mounted in a sandbox: ``name`` at ``path``."""
+
+    name: str = Field(min_length=1, max_length=63)
+    path: str = Field(min_length=2, max_length=1024)
+
+
+class NewVolume(BaseModel):
+    """Body of ``POST /volumes``."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+class VolumeInfo(BaseModel):
+    """A volume, as ``GET /volumes`` lists it."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    volume_id: str = Field(alias="volumeID")
+    name: str
+
+
+class VolumeAndToken(VolumeInfo):
+    """A volume with the token its content API takes (``Authorization: Bearer``)."""
+
+    token: str
+
+
+class VolumeMetadataUpdate(BaseModel):
+    """Body of ``PATCH /volumecontent/{id}/path``."""
+
+    uid: int | None = Field(default=None, ge=0, le=0xFFFFFFFE)
+    gid: int | None = Field(default=None, ge=0, le=0xFFFFFFFE)
+    mode: int | None = Field(default=None, ge=0, le=0o7777)
+
+
+class VolumeEntryStat(BaseModel):
+    """A file or directory of a volume."""
+
+    name: str
+    type: str
+    path: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    atime: datetime
+    mtime: datetime
+    ctime: datetime
+    target: str | None = None
+
+
 class NewSandbox(BaseModel):
     """Body of ``POST /sandboxes`` and ``POST /v2/sandboxes``. Unknown top-level fields
-    (mcp, volume mounts, ...) are accepted and ignored so newer SDKs keep working;
+    (mcp, ...) are accepted and ignored so newer SDKs keep working;
     ``network`` is read whole, and what of it is not supported is refused by name."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -165,6 +217,11 @@ class NewSandbox(BaseModel):
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None
+    volume_mounts: list[VolumeMountBody] = Field(
+        default_factory=list,
+        alias="volumeMounts",
+        description="volumes (by name) to mount at absolute paths in the guest",
+    )
 
     _check_metadata = field_validator("metadata")(check_metadata)
     _check_env_vars = field_validator("env_vars")(check_env_vars)
@@ -265,6 +322,7 @@ class SandboxDetail(BaseModel):
     lineage: Lineage | None = None
     allow_internet_access: bool | None = Field(default=None, alias="allowInternetAccess")
     network: NetworkInfo | None = None
+    volume_mounts: list[VolumeMountBody] | None = Field(default=None, alias="volumeMounts")
 
 
 class Lineage(BaseModel):

@@ -42,6 +42,7 @@ from agentenv.orchestrator.records import (
     SecretEntry,
     SnapshotEntry,
     TagEntry,
+    VolumeEntry,
 )
 from agentenv.orchestrator.store import utcnow
 from agentenv.orchestrator.tags import DEFAULT_TAG, family_of, parse_tagged
@@ -62,6 +63,7 @@ PAUSING = "pausing"
 # How often a connect waiting for another node's commit looks again.
 COMMIT_POLL_S = 0.25
 SECRETS = "secret"
+VOLUMES = "volume"
 
 
 async def _guard(what: str, work: Awaitable[T]) -> T:
@@ -448,6 +450,49 @@ class Catalog:
             await self.repository.drop_name(_secret_name(entry.name), expected_target=entry.id)
 
         await _guard(f"deleting secret {entry.id}", work())
+
+    # -- volumes -----------------------------------------------------------------------
+    async def add_volume(self, entry: VolumeEntry) -> None:
+        """Record a new volume under its name; a name another volume holds is a
+        conflict (the record is written only once the name is claimed)."""
+
+        async def work() -> None:
+            if not await self.repository.claim_name(_volume_name(entry.name), entry.id):
+                raise Conflict(f"a volume named {entry.name!r} already exists")
+            await self.repository.put_record(VOLUMES, entry.id, entry.to_wire())
+
+        await _guard(f"creating volume {entry.name!r}", work())
+
+    async def get_volume(self, key: str, *, by_name: bool = False) -> VolumeEntry | None:
+        async def find() -> VolumeEntry | None:
+            volume_id = await self.repository.resolve_name(_volume_name(key)) if by_name else key
+            if volume_id is None or not _is_id(volume_id):
+                return None
+            record = await self.repository.get_record(VOLUMES, volume_id)
+            return None if record is None else VolumeEntry.from_wire(record)
+
+        return await _guard(f"looking up volume {key!r}", find())
+
+    async def list_volumes(self) -> list[VolumeEntry]:
+        records = await _guard("listing volumes", self.repository.list_records(VOLUMES))
+        entries = []
+        for record in records:
+            try:
+                entries.append(VolumeEntry.from_wire(record))
+            except MalformedRecord as exc:
+                log.warning("skipping a volume record: %s", exc)
+        return entries
+
+    async def drop_volume(self, entry: VolumeEntry) -> None:
+        async def work() -> None:
+            await self.repository.delete_record(VOLUMES, entry.id)
+            await self.repository.drop_name(_volume_name(entry.name), expected_target=entry.id)
+
+        await _guard(f"destroying volume {entry.id}", work())
+
+
+def _volume_name(name: str) -> str:
+    return f"volume:{name}"
 
 
 def _claim_name(sandbox_id: str, generation: int) -> str:

@@ -27,6 +27,7 @@ class ErrorCode(StrEnum):
     COMMIT_PENDING = "commit_pending"
     TAG_NOT_FOUND = "tag_not_found"
     SECRET_NOT_FOUND = "secret_not_found"
+    VOLUME_NOT_FOUND = "volume_not_found"
 
 
 class OrchestratorError(Exception):
@@ -180,3 +181,13 @@ class TagNotFound(OrchestratorError):
     """A template has no such tag (404 on the tag routes, as E2B answers)."""
 
     code = ErrorCode.TAG_NOT_FOUND
+
+
+class VolumeNotFound(OrchestratorError):
+    """No volume with that id or name (or, on the content API, a wrong volume token)."""
+
+    code = ErrorCode.VOLUME_NOT_FOUND
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"volume {key!r} not found")
+        self.key = key

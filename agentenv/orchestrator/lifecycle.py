@@ -36,7 +36,7 @@ from agentenv.orchestrator.errors import (
     SandboxStartFailed,
 )
 from agentenv.orchestrator.layout import SandboxDir, write_atomically
-from agentenv.orchestrator.machines import Machines, disk_format
+from agentenv.orchestrator.machines import Machines, disk_format, volume_slots
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.resources import FilePins, MemoryBudget, NetworkLeases, Slots
 from agentenv.orchestrator.sources import Source, Sources
@@ -45,6 +45,7 @@ from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
 from agentenv.orchestrator.sync import RepositorySync
 from agentenv.orchestrator.timing import PhaseTimer
 from agentenv.orchestrator.views import SandboxView
+from agentenv.orchestrator.volumes import Requested, Volumes
 from agentenv.storage.clone import clone_file
 from agentenv.storage.images import writable_disk
 from agentenv.vmm.base import SnapshotFiles, VirtualMachine, VMMDriver, VMMError, VMRunState
@@ -65,6 +66,8 @@ class Identity:
     auto_pause: bool
     auto_resume: bool
     parent_id: str | None = None
+    # Volumes to mount (name, path), taken at create (see .volumes).
+    volume_mounts: tuple[Requested, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Lifecycle:
         resharing: Resharing,
         sync: RepositorySync,
         http: httpx.AsyncClient,
+        volumes: Volumes,
         *,
         boot_timeout: float,
         memory: MemoryBudget,
@@ -117,6 +121,7 @@ class Lifecycle:
         self.resharing = resharing
         self.sync = sync
         self.http = http
+        self.volumes = volumes
         self.boot_timeout = boot_timeout
         # Whether new sandboxes get RAM files of their own (decided at startup).
         self.own_memory_files = False
@@ -171,6 +176,7 @@ class Lifecycle:
         own_memory = self.driver.shared_memory_boot and (
             snap.files.memory_file is None or (self.own_memory_files and not private_memory)
         )
+        mounts = await self.volumes.hold(sandbox_id, identity.volume_mounts, volume_slots(snap))
         now = utcnow()
         rec = SandboxRecord(
             sandbox_id=sandbox_id,
@@ -200,9 +206,14 @@ class Lifecycle:
             parent_id=identity.parent_id,
             snapshot_id=source.snapshot_id,
             auto_resume=identity.auto_resume,
+            volumes=mounts,
         )
         # The record goes first, so a crash mid-create leaves something to clean up.
-        self.store.insert_sandbox(rec)
+        try:
+            self.store.insert_sandbox(rec)
+        except BaseException:
+            self.volumes.release(sandbox_id)
+            raise
         vm: VirtualMachine | None = None
         phases = PhaseTimer()
         try:
@@ -236,13 +247,20 @@ class Lifecycle:
                 # Private mapping: the sandbox's RAM writes are copy-on-write in its own
                 # memory; the source image is shared through the page cache.
                 memory = snap.files.memory_file
-            spec = self.machines.spec(snap, disk, fmt, memory, own_memory, net.netns)
+            spec = self.machines.spec(
+                snap, disk, fmt, memory, own_memory, net.netns, self.volumes.images(mounts)
+            )
             vm = await self.driver.restore(spec, snap.files, directory.vm_dir)
             phases.mark("restore")
             await envd_client.init(
                 self.http, net.guest_address, env_vars=rec.env_vars, access_token=rec.envd_token
             )
             phases.mark("envd_init")
+            if mounts:
+                await self.volumes.mount_in_guest(
+                    self.http, net.guest_address, rec.envd_token, mounts
+                )
+                phases.mark("volumes")
         except BaseException as exc:
             if vm is not None:
                 await vm.kill()
@@ -282,6 +300,10 @@ class Lifecycle:
         try:
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir()
+            if rec.volumes:
+                # A paused sandbox may be killed without running again.
+                address = self.network.describe(rec.slot).guest_address
+                await self.volumes.flush_in_guest(self.http, address, rec.envd_token, rec.volumes)
             # With RAM in the sandbox's own file this writes device state only.
             files = await vm.save_state(dest)
             write_atomically(directory.paused_manifest, files.to_json())
@@ -400,7 +422,9 @@ class Lifecycle:
             vm_dir.mkdir()
             net = await self.leases.take(rec)
             phases.mark("network")
-            spec = self.machines.spec(snap, disk, fmt, memory, shared, net.netns)
+            spec = self.machines.spec(
+                snap, disk, fmt, memory, shared, net.netns, self.volumes.images(rec.volumes)
+            )
             if files is not None:
                 vm = await self.driver.restore(spec, files, vm_dir)
                 phases.mark("restore")
@@ -414,6 +438,10 @@ class Lifecycle:
                     alive=lambda: booted.state is not VMRunState.STOPPED,
                 )
                 phases.mark("boot")
+                # A boot mounts nothing: the volumes are mounted again.
+                await self.volumes.mount_in_guest(
+                    self.http, net.guest_address, rec.envd_token, rec.volumes
+                )
         except Exception as exc:
             if vm is not None:
                 await vm.kill()
@@ -468,6 +496,9 @@ class Lifecycle:
             # A resume's envd re-initialisation: its guest is going, nothing to retry.
             settling.cancel()
         vm = self.machines.pop(sandbox_id)
+        if vm is not None and rec.volumes and rec.state == S.RUNNING:
+            address = self.network.describe(rec.slot).guest_address
+            await self.volumes.flush_in_guest(self.http, address, rec.envd_token, rec.volumes)
         if vm is not None:
             await vm.kill()
         else:

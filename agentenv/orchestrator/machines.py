@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +28,7 @@ from agentenv.orchestrator.store import SandboxRecord, Store
 from agentenv.snapshots.layout import MachineSnapshot
 from agentenv.storage.clone import flush_file
 from agentenv.storage.images import DiskFormat
+from agentenv.storage.volumes import make_empty_slot
 from agentenv.vmm.base import (
     DriveSpec,
     MachineSpec,
@@ -39,6 +40,33 @@ from agentenv.vmm.base import (
 )
 
 log = logging.getLogger("agentenv.orchestrator")
+
+
+#: Empty volume drives every template is snapshotted with (sparse files, nothing on
+#: disk): at most this many volumes per sandbox.
+VOLUME_SLOTS = 3
+
+
+def slot_drive_id(index: int) -> str:
+    """Drive id of volume slot ``index`` (see :mod:`agentenv.orchestrator.volumes`)."""
+    return f"vol{index}"
+
+
+def volume_slots(snap: MachineSnapshot) -> int:
+    """How many volume slots machines of ``snap`` have (0: made before volumes)."""
+    drives = snap.files.shape.get("drives", [])
+    return sum(1 for d in drives if isinstance(d, str) and d.startswith("vol"))
+
+
+def empty_volume_slots(directory: Path, count: int) -> tuple[DriveSpec, ...]:
+    """``count`` empty volume slots, their files in ``directory``: what a template is
+    snapshotted with."""
+    drives = []
+    for index in range(count):
+        image = directory / f"{slot_drive_id(index)}.empty"
+        make_empty_slot(image)
+        drives.append(DriveSpec(slot_drive_id(index), image))
+    return tuple(drives)
 
 
 def disk_format(value: str) -> DiskFormat:
@@ -155,9 +183,20 @@ class Machines:
         memory_file: Path,
         memory_shared: bool,
         netns: str,
+        volumes: Mapping[int, Path] | None = None,
     ) -> MachineSpec:
         """The machine a sandbox of snapshot ``snap`` runs as: every restore of it
-        (create, resume) must present the same shape."""
+        (create, resume) must present the same shape. A snapshot taken with volume
+        slots gets them all back: ``volumes`` (slot → image) fills some, the others
+        get empty files in the disk's directory."""
+        slots = []
+        for index in range(volume_slots(snap)):
+            image = (volumes or {}).get(index)
+            if image is None:
+                image = disk.parent / f"{slot_drive_id(index)}.empty"
+                if not image.exists():
+                    make_empty_slot(image)
+            slots.append(DriveSpec(slot_drive_id(index), image))
         return MachineSpec(
             vcpus=snap.vcpus,
             memory_mib=snap.memory_mib,
@@ -167,6 +206,7 @@ class Machines:
             drives=(
                 DriveSpec("root", disk, fmt=fmt),
                 DriveSpec("tools", snap.tools_drive, read_only=True),
+                *slots,
             ),
             memory_file=memory_file,
             memory_shared=memory_shared,

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -81,6 +81,7 @@ from agentenv.orchestrator.tags import TemplateTags, family_of
 from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
 from agentenv.orchestrator.tokens import EnvdTokens
 from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
+from agentenv.orchestrator.volumes import Requested, Volumes
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.clone import supports_reflink
 from agentenv.vmm.base import VMMDriver
@@ -146,6 +147,7 @@ class Orchestrator:
         # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
         # filter, on the host, per request.
         self.network.resolve_secrets_with(self.secrets.value)
+        self.volumes = Volumes(config.home / "volumes", config.node_name, self.catalog, self.store)
         self.templates = TemplateManager(
             config,
             self.store,
@@ -196,6 +198,7 @@ class Orchestrator:
             self._resharing,
             self._sync,
             self.http,
+            self.volumes,
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
         )
@@ -262,6 +265,7 @@ class Orchestrator:
         )
         self.store.open()
         self.catalog.startup()
+        self.volumes.startup()
         self.templates.cleanup_staging()
         await self._recovery.run()
         self._sync.resume_unfinished()
@@ -469,9 +473,11 @@ class Orchestrator:
         network: NetworkOptions | None = None,
         auto_pause: bool = False,
         auto_resume: bool = False,
+        volume_mounts: Sequence[Requested] = (),
     ) -> SandboxView:
         """A new sandbox from a template or snapshot. ``network`` defaults to the most
-        closed options (nothing leaves but DNS)."""
+        closed options (nothing leaves but DNS). ``volume_mounts`` are volumes (by name)
+        mounted at paths in the guest (see :mod:`.volumes`)."""
         self._free_space.check("create")
         timeout = self.timeouts.pick(timeout)
         source = await self._sources.resolve(template_id)
@@ -482,6 +488,7 @@ class Orchestrator:
             network=network or NetworkOptions(),
             auto_pause=auto_pause,
             auto_resume=auto_resume,
+            volume_mounts=tuple(volume_mounts),
         )
         return await self._start(source, identity, timeout, private_memory=False)
 
@@ -576,6 +583,16 @@ class Orchestrator:
         return await self.resume(sandbox_id, timeout)
 
     # -- snapshots and forks ---------------------------------------------------------------
+    def _volumes_unmounted(
+        self, rec: SandboxRecord
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """A running sandbox's volumes left out of what is captured (see
+        :meth:`Volumes.unmounted`)."""
+        if not rec.volumes or rec.state != SandboxState.RUNNING:
+            return contextlib.nullcontext()
+        address = self.network.describe(rec.slot).guest_address
+        return self.volumes.unmounted(self.http, address, rec.envd_token, rec.volumes)
+
     async def snapshot(
         self,
         sandbox_id: str,
@@ -607,9 +624,10 @@ class Orchestrator:
                 existing = self.store.get_snapshot(name)
                 if existing is not None and existing.name == name:
                     self.store.update_snapshot(existing.snapshot_id, name=None)
-            snap_rec = await self._capture.capture(
-                rec, kind, name, metadata or {}, snapshot_id or new_snapshot_id()
-            )
+            async with self._volumes_unmounted(rec):
+                snap_rec = await self._capture.capture(
+                    rec, kind, name, metadata or {}, snapshot_id or new_snapshot_id()
+                )
             return SnapshotView(snap_rec)
 
         view = await self._operations.run(
@@ -676,7 +694,9 @@ class Orchestrator:
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
             rec = self._lifecycle.existing(sandbox_id)
-            return rec, await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
+            async with self._volumes_unmounted(rec):
+                image = await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
+            return rec, image
 
         parent, image = await self._operations.run(
             sandbox_id, "fork", lambda: self._liveness.guard(sandbox_id, capture), join=False

@@ -140,3 +140,16 @@ class SecretEntry(_Record):
     key_id: str
     nonce: str  # base64
     ciphertext: str  # base64, the GCM tag included
+
+
+class VolumeEntry(_Record):
+    """A volume (``catalog/volume/<id>``; its name is ``volume:<name>`` among the
+    repository's names). ``node`` holds the volume's image (see
+    :mod:`agentenv.orchestrator.volumes`); ``token`` authorises the content API, and is
+    given to whoever may read the volume's record (the API key holder)."""
+
+    id: str
+    name: str
+    token: str
+    node: str
+    created_at: datetime

@@ -14,7 +14,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,8 @@ _SANDBOX_NETWORK_COLUMNS = (
     ("network", "TEXT"),
     ("traffic_token", "TEXT"),
 )
+# The volumes a sandbox mounts (JSON list of VolumeMount); NULL: none.
+_SANDBOX_VOLUME_COLUMNS = (("volumes", "TEXT"),)
 
 
 def utcnow() -> datetime:
@@ -130,6 +132,17 @@ class SnapshotRecord:
     created_at: datetime
 
 
+@dataclass(frozen=True)
+class VolumeMount:
+    """A volume mounted in a sandbox: at ``path`` in the guest, from volume slot
+    ``slot`` of its machine (see :mod:`agentenv.orchestrator.volumes`)."""
+
+    volume_id: str
+    name: str
+    path: str
+    slot: int
+
+
 @dataclass
 class SandboxRecord:
     sandbox_id: str
@@ -160,6 +173,7 @@ class SandboxRecord:
     snapshot_id: str | None = None
     auto_resume: bool = False
     pause_mode: str | None = None
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -214,7 +228,7 @@ class Store:
         for name, decl in _SANDBOX_COLUMNS_V2:
             if name not in have:
                 db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
-        for name, decl in _SANDBOX_NETWORK_COLUMNS:
+        for name, decl in (*_SANDBOX_NETWORK_COLUMNS, *_SANDBOX_VOLUME_COLUMNS):
             if name not in have:
                 db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
         for allow_internet in (False, True):
@@ -491,6 +505,7 @@ def _sandbox_row(rec: SandboxRecord) -> dict[str, Any]:
         "snapshot_id": rec.snapshot_id,
         "auto_resume": int(rec.auto_resume),
         "pause_mode": rec.pause_mode,
+        "volumes": json.dumps([asdict(m) for m in rec.volumes]) if rec.volumes else None,
     }
 
 
@@ -521,6 +536,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
         snapshot_id=row["snapshot_id"],
         auto_resume=bool(row["auto_resume"]),
         pause_mode=row["pause_mode"],
+        volumes=tuple(VolumeMount(**m) for m in json.loads(row["volumes"] or "[]")),
     )
 
 

@@ -271,8 +271,9 @@ class RepositorySync:
     # -- paused sandboxes --------------------------------------------------------------
     def prepare_upload(self, rec: SandboxRecord) -> None:
         """Start a paused sandbox's next generation in the repository (uploaded in the
-        background by :meth:`start_upload`)."""
-        if not self.publishes_paused_state or rec.disk_path is None:
+        background by :meth:`start_upload`). Not one with volumes mounted: their images
+        stay on this node (see :mod:`.volumes`), so it resumes here only."""
+        if not self.publishes_paused_state or rec.disk_path is None or rec.volumes:
             return
         directory = SandboxDir(rec.workdir)
         generation = directory.generation() + 1

@@ -34,6 +34,7 @@ from agentenv.network import NetworkManager, SandboxNetwork
 from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import TemplateNotFound, TemplateUnavailable
+from agentenv.orchestrator.machines import VOLUME_SLOTS, empty_volume_slots
 from agentenv.orchestrator.store import Store, TemplateRecord, utcnow
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, commit, discard, staging_dir
 from agentenv.storage.clone import flush_file
@@ -303,6 +304,8 @@ class TemplateManager:
                 machine.rootfs or image.rootfs, "raw", staging / "disk", self.driver.disk_formats
             )
             net = await self.network.create(slot)
+            slot_dir = staging / "volume-slots"
+            slot_dir.mkdir()
             spec = MachineSpec(
                 vcpus=machine.vcpus or self.config.vcpus,
                 memory_mib=machine.memory_mib or self.config.memory_mib,
@@ -312,6 +315,7 @@ class TemplateManager:
                 drives=(
                     DriveSpec("root", disk, fmt=disk_format),
                     DriveSpec("tools", image.tools, read_only=True),
+                    *empty_volume_slots(slot_dir, VOLUME_SLOTS),
                 ),
                 memory_file=staging / "memory.raw",
                 memory_shared=self.driver.shared_memory_boot,
@@ -347,6 +351,7 @@ class TemplateManager:
             files = await vm.save_state(staging)
             await vm.kill()
             vm = None
+            shutil.rmtree(slot_dir, ignore_errors=True)
             disk_size = await virtual_size(disk)
             make_read_only(disk, *([files.memory_file] if files.memory_file else []))
             if files.memory_file is not None:

@@ -1,0 +1,316 @@
+"""Volumes: persistent filesystems that outlive sandboxes (E2B's ``Volume``).
+
+A volume is a record in the repository (``catalog/volume/<id>``, named
+``volume:<name>``, see :class:`~.catalog.Catalog`) and an ext4 image on the node that
+made it (``<data>/volumes/<id>.ext4``; why a block device, and the measurements, are in
+:mod:`agentenv.storage.volumes`). A sandbox mounts volumes at create: each takes one of
+the template's empty volume slots (drives ``vol0``.., see
+:data:`~.machines.VOLUME_SLOTS`), and the
+guest mounts it at the path asked for. The drive is part of the sandbox's machine from
+then on, so pause and resume keep it (a full pause keeps the guest's mount and its page
+cache with the RAM; a filesystem-only pause mounts it again after the boot).
+
+ext4 has one writer: a volume is held by at most one sandbox (running or paused) on its
+node, or, between those, by one content-API request at a time. A second holder is
+refused with 409, and so is a mount on a node other than the volume's (the image is not
+moved between nodes yet), a destroy while held, and snapshotting or forking a sandbox
+that has volumes mounted: the guest's RAM holds the mounted filesystem, and E2B does not
+put volume content in snapshots either.
+
+Owns the map of holders (rebuilt from sandbox records at start, and a sandbox's
+entries dropped when its record goes) and the per-volume locks; does not start VMs or
+change sandbox states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from agentenv.orchestrator import envd_client
+from agentenv.orchestrator.catalog import Catalog
+from agentenv.orchestrator.errors import (
+    Conflict,
+    InvalidRequest,
+    OperationFailed,
+    VolumeNotFound,
+)
+from agentenv.orchestrator.records import VolumeEntry
+from agentenv.orchestrator.store import SandboxEvent, Store, VolumeMount, utcnow
+from agentenv.storage.volumes import (
+    MountedVolume,
+    VolumeImageError,
+    make_image,
+    mounted,
+)
+
+log = logging.getLogger("agentenv.volumes")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+_HOST = "the content API"
+
+
+def slot_device(index: int) -> str:
+    """The guest's device of slot ``index``: after ``root`` (vda) and ``tools`` (vdb)."""
+    return f"/dev/vd{chr(ord('c') + index)}"
+
+
+def _check_mount_path(path: str) -> str:
+    if not path.startswith("/") or path == "/" or ".." in path.split("/"):
+        raise InvalidRequest(f"volume mount path {path!r} must be an absolute path below /")
+    if any(c in path for c in "\0\n"):
+        raise InvalidRequest("volume mount path has control characters")
+    return path.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Requested:
+    name: str
+    path: str
+
+
+class Volumes:
+    def __init__(self, directory: Path, node: str, catalog: Catalog, store: Store) -> None:
+        self.directory = directory
+        self.node = node
+        self.catalog = catalog
+        self.store = store
+        self._holders: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        # Whatever removes a sandbox's record (kill, a failed create, a VMM that died
+        # with its disk gone, recovery, a handoff) lets go of its volumes.
+        store.listen(self._on_sandbox_event)
+
+    def _on_sandbox_event(self, event: SandboxEvent) -> None:
+        if event.new is None:
+            self.release(event.sandbox_id)
+
+    def startup(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for partial in self.directory.glob("*.partial"):
+            partial.unlink(missing_ok=True)
+        for rec in self.store.list_sandboxes():
+            for mount in rec.volumes:
+                self._holders[mount.volume_id] = rec.sandbox_id
+
+    def image(self, volume_id: str) -> Path:
+        return self.directory / f"{volume_id}.ext4"
+
+    def _lock(self, volume_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(volume_id, asyncio.Lock())
+
+    # -- the volume API ----------------------------------------------------------------
+    async def create(self, name: str) -> VolumeEntry:
+        if not _NAME.match(name):
+            raise InvalidRequest(
+                "volume name must be 1 to 63 letters, digits, _ and -, starting with a "
+                "letter or digit"
+            )
+        entry = VolumeEntry(
+            id="vol-" + secrets.token_hex(10),
+            name=name,
+            token=secrets.token_urlsafe(32),
+            node=self.node,
+            created_at=utcnow(),
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            await make_image(self.image(entry.id))
+        except (VolumeImageError, OSError) as exc:
+            raise OperationFailed(f"making volume {name!r} failed: {exc}") from exc
+        try:
+            await self.catalog.add_volume(entry)
+        except BaseException:
+            self.image(entry.id).unlink(missing_ok=True)
+            raise
+        return entry
+
+    async def get(self, volume_id: str) -> VolumeEntry:
+        entry = await self.catalog.get_volume(volume_id)
+        if entry is None:
+            raise VolumeNotFound(volume_id)
+        return entry
+
+    async def list(self) -> list[VolumeEntry]:
+        return sorted(await self.catalog.list_volumes(), key=lambda e: (e.created_at, e.id))
+
+    async def destroy(self, volume_id: str) -> None:
+        entry = await self.get(volume_id)
+        async with self._lock(entry.id):
+            holder = self._holders.get(entry.id)
+            if holder is not None:
+                raise Conflict(f"volume {entry.name!r} is mounted in sandbox {holder}")
+            if entry.node != self.node:
+                raise Conflict(f"volume {entry.name!r} lives on node {entry.node}")
+            await self.catalog.drop_volume(entry)
+            self.image(entry.id).unlink(missing_ok=True)
+        self._locks.pop(entry.id, None)
+
+    # -- the content API ---------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def files(self, volume_id: str, token: str | None) -> AsyncIterator[MountedVolume]:
+        """The volume's files, mounted on the host while the block runs; 404 for a
+        volume that does not exist or a wrong token, 409 while a sandbox holds it."""
+        entry = await self.catalog.get_volume(volume_id)
+        if entry is None or token is None or not secrets.compare_digest(token, entry.token):
+            raise VolumeNotFound(volume_id)
+        if entry.node != self.node:
+            raise Conflict(f"volume {entry.name!r} lives on node {entry.node}")
+        async with self._lock(entry.id):
+            holder = self._holders.get(entry.id)
+            if holder is not None:
+                raise Conflict(
+                    f"volume {entry.name!r} is mounted in sandbox {holder}: use the "
+                    "sandbox's files API while it holds the volume"
+                )
+            try:
+                async with mounted(self.image(entry.id)) as files:
+                    yield files
+            except VolumeImageError as exc:
+                raise OperationFailed(f"volume {entry.name!r}: {exc}") from exc
+
+    # -- sandboxes ---------------------------------------------------------------------
+    async def hold(
+        self, sandbox_id: str, requested: Sequence[Requested], slots: int
+    ) -> tuple[VolumeMount, ...]:
+        """Take the volumes ``requested`` for ``sandbox_id`` (all or none)."""
+        if not requested:
+            return ()
+        if len(requested) > slots:
+            raise InvalidRequest(
+                f"{len(requested)} volume mounts asked for; this template has {slots} volume "
+                "slots" + (" (rebuild it to get some)" if slots == 0 else "")
+            )
+        paths = [_check_mount_path(r.path) for r in requested]
+        if len(set(paths)) != len(paths):
+            raise InvalidRequest("two volumes mounted at one path")
+        entries: list[VolumeEntry] = []
+        for r in requested:
+            entry = await self.catalog.get_volume(r.name, by_name=True)
+            if entry is None:
+                raise VolumeNotFound(r.name)
+            if entry.node != self.node:
+                raise Conflict(f"volume {entry.name!r} lives on node {entry.node}")
+            entries.append(entry)
+        if len({e.id for e in entries}) != len(entries):
+            raise InvalidRequest("a volume mounted twice in one sandbox")
+        taken: list[str] = []
+        try:
+            for entry in entries:
+                lock = self._lock(entry.id)
+                async with lock:
+                    holder = self._holders.get(entry.id)
+                    if holder is not None:
+                        raise Conflict(
+                            f"volume {entry.name!r} is in use by sandbox {holder}: an ext4 "
+                            "volume has one writer at a time"
+                        )
+                    self._holders[entry.id] = sandbox_id
+                    taken.append(entry.id)
+        except BaseException:
+            for volume_id in taken:
+                self._holders.pop(volume_id, None)
+            raise
+        return tuple(
+            VolumeMount(volume_id=e.id, name=e.name, path=p, slot=i)
+            for i, (e, p) in enumerate(zip(entries, paths, strict=True))
+        )
+
+    def release(self, sandbox_id: str) -> None:
+        for volume_id, holder in list(self._holders.items()):
+            if holder == sandbox_id:
+                del self._holders[volume_id]
+
+    def images(self, mounts: Sequence[VolumeMount]) -> dict[int, Path]:
+        return {m.slot: self.image(m.volume_id) for m in mounts}
+
+    @staticmethod
+    async def mount_in_guest(
+        http: httpx.AsyncClient, address: str, token: str | None, mounts: Sequence[VolumeMount]
+    ) -> None:
+        """Mount each volume's slot at its path in the guest (made if missing), one
+        ``mount`` process each: under TCG every process the guest starts costs a few
+        hundred milliseconds. The empty slot's blocks the guest cached when the template
+        was snapshotted are not read: ext4's mount changes the device's block size,
+        which drops its page cache."""
+        for m in mounts:
+            output: list[str] = []
+
+            def keep(_stream: str, line: str, lines: list[str] = output) -> None:
+                lines.append(line)
+
+            argv = ["/bin/mount", "-t", "ext4", "-o", "nodev,nosuid,X-mount.mkdir"]
+            result = await envd_client.execute(
+                http,
+                address,
+                [*argv, slot_device(m.slot), m.path],
+                user="root",
+                on_output=keep,
+                timeout=60.0,
+                access_token=token,
+            )
+            if result.exit_code != 0:
+                raise OperationFailed(
+                    f"mounting volume {m.name!r} at {m.path} failed: {' '.join(output)}"
+                )
+
+    @staticmethod
+    async def flush_in_guest(
+        http: httpx.AsyncClient, address: str, token: str | None, mounts: Sequence[VolumeMount]
+    ) -> None:
+        """Write what the guest holds of its volumes' files to them (``sync -f``), so a
+        kill, or a kill after a pause, loses none of it (E2B's volumes keep a file once
+        it is closed). A guest that does not answer is let go, with a warning."""
+        if not mounts:
+            return
+        try:
+            await envd_client.run(
+                http, address, "/bin/sync", ["-f", *(m.path for m in mounts)], token, timeout=30.0
+            )
+        except envd_client.EnvdUnreachable as exc:
+            log.warning("flushing volumes %s failed: %s", ", ".join(m.name for m in mounts), exc)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def unmounted(
+        cls,
+        http: httpx.AsyncClient,
+        address: str,
+        token: str | None,
+        mounts: Sequence[VolumeMount],
+    ) -> AsyncIterator[None]:
+        """The guest's volumes unmounted while the block runs (a snapshot or fork is
+        taken), mounted again after. A volume is not part of a snapshot (nor is it in
+        E2B): sandboxes started from one mount volumes of their own, and the guest RAM
+        captured must not hold a mounted filesystem whose device they will not have. A
+        volume the guest is using (open files, a working directory) cannot be unmounted:
+        409, and nothing is captured."""
+        done: list[VolumeMount] = []
+        try:
+            for m in mounts:
+                output: list[str] = []
+
+                def keep(_stream: str, line: str, lines: list[str] = output) -> None:
+                    lines.append(line)
+
+                result = await envd_client.execute(
+                    http, address, ["/bin/umount", m.path], user="root", on_output=keep,
+                    timeout=60.0, access_token=token,
+                )  # fmt: skip
+                if result.exit_code != 0:
+                    raise Conflict(
+                        f"volume {m.name!r} at {m.path} is in use in the sandbox and cannot be "
+                        f"left out of the snapshot: {' '.join(output)}"
+                    )
+                done.append(m)
+            yield
+        finally:
+            await cls.mount_in_guest(http, address, token, done)
