@@ -43,6 +43,7 @@ from agentenv.orchestrator.build_plan import (
     copy_script,
     describe,
 )
+from agentenv.orchestrator.catalog import check_user_name
 from agentenv.orchestrator.errors import (
     BuildFailed,
     Conflict,
@@ -193,6 +194,7 @@ class BuildManager:
             raise InvalidRequest(f"bad template name {name!r}")
         if name in BUILTIN_TEMPLATES:
             raise Conflict(f"the name {name!r} is a built-in template's")
+        check_user_name(name)
         cpus = cpu_count or self.config.vcpus
         memory = memory_mb or self.config.memory_mib
         if not 1 <= cpus <= 64 or not 128 <= memory <= 65536:

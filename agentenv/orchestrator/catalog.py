@@ -491,6 +491,22 @@ class Catalog:
         await _guard(f"destroying volume {entry.id}", work())
 
 
+#: Names the catalog gives its own records in the namespace snapshot and template names
+#: share (``claim:<id>:<generation>``, ``secret:<name>``, ``volume:<name>``): a snapshot
+#: or template may not take one, or it could block a resume's claim or a secret's or a
+#: volume's name.
+RESERVED_NAMESPACES = frozenset({"claim", "secret", "volume"})
+
+
+def check_user_name(name: str) -> None:
+    """:class:`InvalidRequest` for a snapshot or template name in a reserved namespace."""
+    if name.partition(":")[0] in RESERVED_NAMESPACES:
+        raise InvalidRequest(
+            f"the name {name!r} is reserved: names may not be or begin with "
+            + ", ".join(f"{space!r}:" for space in sorted(RESERVED_NAMESPACES))
+        )
+
+
 def _volume_name(name: str) -> str:
     return f"volume:{name}"
 

@@ -40,7 +40,7 @@ from agentenv.limits import MAX_FORK_CHILDREN
 from agentenv.network import EgressPolicy, NetworkError, NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Capture, Resharing
-from agentenv.orchestrator.catalog import Catalog
+from agentenv.orchestrator.catalog import Catalog, check_user_name
 from agentenv.orchestrator.diskspace import FreeSpaceFloor
 from agentenv.orchestrator.errors import (
     Conflict,
@@ -610,6 +610,8 @@ class Orchestrator:
         before returning). ``replace_name`` moves an existing name to the new snapshot
         (a template rebuilt under its name)."""
         self._free_space.check("snapshot")
+        if name is not None:
+            check_user_name(name)
         if name is not None and not replace_name:
             existing = self.store.get_snapshot(name)
             if existing is not None and existing.state == "ready":
