@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from agentenv.orchestrator.errors import Conflict, InvalidRequest, VolumeNotFound
 from agentenv.orchestrator.volumes import Requested
-from agentenv.storage.volumes import VOLUME_BYTES, MountedVolume, VolumePathError
+from agentenv.storage.volumes import (
+    VOLUME_BYTES,
+    MountedVolume,
+    VolumePathError,
+    make_image,
+    mounted,
+)
 from tests.fakes import start_node
 
 
@@ -109,3 +116,30 @@ def test_file_operations_stay_inside_the_volume(tmp_path: Path) -> None:
     with pytest.raises(VolumePathError) as gone:
         vol.remove("/a")
     assert gone.value.missing
+
+
+def _tool(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True)
+
+
+async def test_the_host_reads_images_in_userspace(tmp_path: Path) -> None:
+    """The content API's mount is fuse2fs (a guest-written image never reaches the host
+    kernel's ext4), and what it wrote is in the image once the mount is given back; an
+    image whose journal needs recovery (a guest killed mid-write) is replayed first
+    (fuse2fs itself crashed on one)."""
+    image = tmp_path / "volume.img"
+    await make_image(image)
+    marked = await asyncio.to_thread(
+        _tool, "debugfs", "-w", "-R", "feature needs_recovery", str(image)
+    )
+    assert marked.returncode == 0, marked.stderr
+    async with mounted(image) as files:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+        fstype = {line.split()[1]: line.split()[2] for line in mounts}[str(files.root)]
+        assert fstype == "fuse.ext4"
+        (files.root / "answer.txt").write_text("42\n")
+    assert not files.root.exists()  # unmounted, and its directory gone
+    shown = await asyncio.to_thread(_tool, "debugfs", "-R", "cat /answer.txt", str(image))
+    assert shown.stdout == "42\n"
+    check = await asyncio.to_thread(_tool, "e2fsck", "-fn", str(image))
+    assert check.returncode == 0, check.stdout
