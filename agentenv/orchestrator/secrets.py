@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import os
 import re
 import secrets
 from collections.abc import Iterable
@@ -35,6 +34,7 @@ from agentenv.config import Config
 from agentenv.orchestrator.catalog import Catalog
 from agentenv.orchestrator.errors import Conflict, InvalidRequest, SecretNotFound
 from agentenv.orchestrator.records import SecretEntry
+from agentenv.orchestrator.tokens import key_file
 
 __all__ = [
     "KEY_FILE",
@@ -128,17 +128,7 @@ class SecretCipher:
     @classmethod
     def load(cls, path: Path) -> SecretCipher:
         """The key in ``path``, made there (mode 0600) if there is none."""
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            return cls(bytes.fromhex(path.read_text().strip()))
-        key = secrets.token_bytes(_KEY_BYTES)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return cls(key)
+        return cls(key_file(path, _KEY_BYTES))
 
     @classmethod
     def configured(cls, key_hex: str | None, key_file: Path) -> SecretCipher:

@@ -45,6 +45,23 @@ def token_digest(token: str) -> str:
     return DIGEST_PREFIX + hashlib.sha256(token.encode()).hexdigest()
 
 
+def key_file(path: Path, size: int) -> bytes:
+    """The hex key kept in ``path``; a new random one of ``size`` bytes written there
+    first (mode 0600, its directory 0700, made durable) if there is none. Creating it
+    exclusively means two servers starting at once agree on one key."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return bytes.fromhex(path.read_text().strip())
+    key = secrets.token_bytes(size)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return key
+
+
 class EnvdTokens:
     """Derives sandboxes' envd tokens from one key."""
 
@@ -56,17 +73,7 @@ class EnvdTokens:
     @classmethod
     def load(cls, path: Path) -> EnvdTokens:
         """The key in ``path``, made there (mode 0600) if there is none."""
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            return cls(bytes.fromhex(path.read_text().strip()))
-        key = secrets.token_bytes(_KEY_BYTES)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return cls(key)
+        return cls(key_file(path, _KEY_BYTES))
 
     @classmethod
     def configured(cls, key_hex: str | None, key_file: Path) -> EnvdTokens:
