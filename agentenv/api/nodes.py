@@ -70,7 +70,9 @@ class MachineInfo(_E2B):
     cpu_architecture: str = Field(alias="cpuArchitecture")
 
 
-class Node(_E2B):
+class _NodeFields(_E2B):
+    """What E2B's ``Node`` and ``NodeDetail`` both carry."""
+
     id: str
     service_instance_id: str = Field(alias="serviceInstanceID")
     cluster_id: str = Field(alias="clusterID")
@@ -81,25 +83,16 @@ class Node(_E2B):
     metrics: NodeMetrics
     create_successes: int = Field(alias="createSuccesses")
     create_fails: int = Field(alias="createFails")
+    version: str
+    commit: str
+    machine_info: MachineInfo = Field(alias="machineInfo")
+
+
+class Node(_NodeFields):
     sandbox_starting_count: int = Field(alias="sandboxStartingCount")
-    version: str
-    commit: str
-    machine_info: MachineInfo = Field(alias="machineInfo")
 
 
-class NodeDetail(_E2B):
-    id: str
-    service_instance_id: str = Field(alias="serviceInstanceID")
-    cluster_id: str = Field(alias="clusterID")
-    status: NodeState
-    status_changed_at: datetime = Field(alias="statusChangedAt")
-    sandbox_count: int = Field(alias="sandboxCount")
-    metrics: NodeMetrics
-    create_successes: int = Field(alias="createSuccesses")
-    create_fails: int = Field(alias="createFails")
-    version: str
-    commit: str
-    machine_info: MachineInfo = Field(alias="machineInfo")
+class NodeDetail(_NodeFields):
     sandboxes: list[str] = Field(default_factory=list)
     cached_builds: list[str] = Field(default_factory=list, alias="cachedBuilds")
 
