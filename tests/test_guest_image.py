@@ -4,6 +4,7 @@ atomicity) plus one `vm` test that runs the built tools drive's Python."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -212,6 +213,33 @@ async def test_component_cache_builds_once_and_leaves_nothing_on_failure(
         await cache.ensure("thing", "k2", {"x": 2}, broken, lambda _: None)
     assert not (tmp_path / "thing/k2").exists()
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+async def test_component_directories_are_traversable_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    """The server builds the code interpreter's root filesystem under umask 077, and the
+    confined VMMs that open it run as other users: its kind's directory came out 0700 and
+    every restore of the template failed with "Permission denied"."""
+
+    async def build(out: Path) -> dict[str, Any]:
+        (out / "image").write_text("payload")
+        (out / "image").chmod(0o444)
+        return {}
+
+    previous = os.umask(0o077)
+    try:
+        (tmp_path / "left-private").mkdir(mode=0o700)  # as a build before this fix left it
+        for kind in ("fresh", "left-private"):
+            found, _ = await ComponentCache(tmp_path).ensure(kind, "k", {}, build, lambda _: None)
+            assert (found.parent.stat().st_mode & 0o777) == 0o755, kind
+            assert (found.stat().st_mode & 0o777) == 0o755, kind
+        # Also when the component was already there.
+        (tmp_path / "fresh").chmod(0o700)
+        await ComponentCache(tmp_path).ensure("fresh", "k", {}, build, lambda _: None)
+        assert ((tmp_path / "fresh").stat().st_mode & 0o777) == 0o755
+    finally:
+        os.umask(previous)
 
 
 def test_load_guest_image_missing_names_the_build_command(tmp_path: Path) -> None:

@@ -114,16 +114,22 @@ class ComponentCache:
 
         ``build`` fills the staging directory and returns facts recorded in meta.json.
         """
+        final = self.path(kind, key)
+        # Components are opened by confined VMMs, which run as other users, and the
+        # server that builds some of them (the code interpreter's root filesystem) runs
+        # under umask 077: the kind's directory is made traversable whatever the umask,
+        # also when an earlier build left it private.
+        final.parent.mkdir(parents=True, exist_ok=True)
+        final.parent.chmod(0o755)
         if (found := self.lookup(kind, key)) is not None:
             log(f"{kind}: cached {key}")
             return found, self.read_meta(kind, key)
         log(f"{kind}: building {key}")
         started = time.monotonic()
-        final = self.path(kind, key)
-        final.parent.mkdir(parents=True, exist_ok=True)
         with self.staging(kind) as staging:
             out = staging / "out"
-            out.mkdir()
+            out.mkdir(mode=0o755)
+            out.chmod(0o755)  # the umask is not ours to trust (see above)
             facts = await build(out)
             meta = {
                 "kind": kind,
