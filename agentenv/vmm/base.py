@@ -234,6 +234,26 @@ class VMStats:
     cpu_seconds: float
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU time of ``pid`` (all its threads) from ``/proc/PID/stat``;
+    OSError once it is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # After the parenthesised command name, utime and stime are fields 14 and 15.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_memory(pid: int) -> tuple[int, int]:
+    """RSS and PSS of ``pid`` in bytes from ``/proc/PID/smaps_rollup`` (a walk of its
+    memory map); OSError once it is gone."""
+    sizes: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Pss"):
+            sizes[key] = int(rest.split()[0]) * 1024
+    return sizes.get("Rss", 0), sizes.get("Pss", 0)
+
+
 @dataclass(frozen=True)
 class GuestMemory:
     """The guest kernel's memory figures as its balloon driver last reported them:
@@ -297,12 +317,9 @@ class VirtualMachine(ABC):
         than :meth:`stats`, which also walks the process's memory map. Raises
         :class:`VMMGone` once the process is gone."""
         try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            return process_cpu_seconds(self.pid)
         except OSError as exc:
             raise VMMGone(f"VMM process {self.pid} has exited") from exc
-        # After the parenthesised command name, utime and stime are fields 14 and 15.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
         """The guest's memory figures from its balloon driver, which is asked to report

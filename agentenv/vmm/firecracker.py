@@ -57,6 +57,8 @@ from agentenv.vmm.base import (
     VMMStartError,
     VMRunState,
     VMStats,
+    process_cpu_seconds,
+    process_memory,
 )
 from agentenv.vmm.confine import Confinement, ConfinementError
 from agentenv.vmm.console import CONSOLE_LIMIT_BYTES, bound_console
@@ -91,7 +93,6 @@ SNAPSHOT_TIMEOUT_S = 600.0
 
 _DRIVE_ID = re.compile(r"^[A-Za-z0-9_]+$")
 _INSTANCE_ID_BAD = re.compile(r"[^A-Za-z0-9-]")
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _FIRECRACKER_STATES = {"Running": VMRunState.RUNNING, "Paused": VMRunState.PAUSED}
 
 
@@ -206,19 +207,10 @@ def _prepare_workdir(spec: MachineSpec, workdir: Path) -> Path:
 def _read_stats(pid: int) -> tuple[int, int, float]:
     """RSS, PSS (bytes) and CPU seconds of ``pid``."""
     try:
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        rss, pss = process_memory(pid)
+        return rss, pss, process_cpu_seconds(pid)
     except OSError as exc:
         raise VMMGone(f"firecracker pid {pid} is gone") from exc
-    sizes: dict[str, int] = {}
-    for line in rollup.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("Rss", "Pss"):
-            sizes[key] = int(rest.split()[0]) * 1024
-    # utime and stime are fields 14 and 15; count from after the "(comm)" field.
-    after_comm = stat[stat.rindex(")") + 2 :].split()
-    cpu_seconds = (int(after_comm[11]) + int(after_comm[12])) / _CLK_TCK
-    return sizes.get("Rss", 0), sizes.get("Pss", 0), cpu_seconds
 
 
 def _make_dir(path: Path) -> Path:

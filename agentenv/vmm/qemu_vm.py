@@ -33,6 +33,8 @@ from agentenv.vmm.base import (
     VMMGone,
     VMRunState,
     VMStats,
+    process_cpu_seconds,
+    process_memory,
 )
 from agentenv.vmm.confine import ConfinementError, VmmJail
 from agentenv.vmm.console import bound_console
@@ -364,7 +366,8 @@ class QemuVM(VirtualMachine):
         if not self._process.alive():
             raise VMMGone(f"QEMU process {pid} has exited")
         try:
-            rss, pss, cpu_seconds = _read_proc_usage(pid)
+            rss, pss = process_memory(pid)
+            cpu_seconds = process_cpu_seconds(pid)
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise VMMGone(f"QEMU process {pid} has exited") from exc
         return VMStats(
@@ -461,22 +464,6 @@ def _state_paths(dest: Path) -> tuple[Path, Path]:
     """Create ``dest`` and name the snapshot's final and in-progress state files."""
     dest.mkdir(parents=True, exist_ok=True)
     return dest / STATE_FILE, dest / f".{STATE_FILE}.{secrets.token_hex(4)}.partial"
-
-
-def _read_proc_usage(pid: int) -> tuple[int, int, float]:
-    """(RSS bytes, PSS bytes, CPU seconds) of ``pid`` from /proc."""
-    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields: dict[str, int] = {}
-    for line in rollup.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if len(parts) == 2 and parts[1] == "kB":
-            fields[key] = int(parts[0]) * 1024
-    # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    after_comm = stat[stat.rindex(")") + 2 :].split()
-    ticks = int(after_comm[11]) + int(after_comm[12])
-    return fields.get("Rss", 0), fields.get("Pss", 0), ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def execute_qmp(
