@@ -128,7 +128,7 @@ class ComponentCache:
         started = time.monotonic()
         with self.staging(kind) as staging:
             out = staging / "out"
-            out.mkdir(mode=0o755)
+            out.mkdir()
             out.chmod(0o755)  # the umask is not ours to trust (see above)
             facts = await build(out)
             meta = {
