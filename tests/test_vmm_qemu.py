@@ -50,9 +50,13 @@ from agentenv.vmm.confine import Confinement, VmmJail
 from agentenv.vmm.process import read_cmdline
 from agentenv.vmm.qemu import QemuDriver
 from agentenv.vmm.qemu_vm import (
+    BALLOON,
+    LEGACY_BALLOON,
     LEGACY_MACHINE,
     MACHINE,
     QemuVM,
+    balloon_of_argv,
+    balloon_of_snapshot,
     machine_of_argv,
     machine_of_snapshot,
 )
@@ -198,6 +202,51 @@ def test_machine_options_of_snapshots_and_command_lines(tmp_path: Path) -> None:
     for machine in (MACHINE, LEGACY_MACHINE):
         argv = driver.build_argv(_plain_spec(tmp_path), tmp_path / "w", machine=machine)
         assert machine_of_argv(argv) == machine
+
+
+def test_balloon_follows_the_spec_at_boot_and_the_snapshot_at_restore(tmp_path: Path) -> None:
+    driver = QemuDriver()
+    plain = driver.build_argv(_plain_spec(tmp_path), tmp_path / "w")
+    reporting = driver.build_argv(_plain_spec(tmp_path, report_free_pages=True), tmp_path / "w")
+    assert "-device virtio-balloon-device -chardev" in " ".join(plain)
+    assert "-device virtio-balloon-device,free-page-reporting=on -chardev" in " ".join(reporting)
+    assert balloon_of_argv(plain) == LEGACY_BALLOON
+    assert balloon_of_argv(reporting) == BALLOON
+    # A restore passes the snapshot's balloon, whatever the spec says.
+    restore = driver.build_argv(
+        _plain_spec(tmp_path, report_free_pages=True), tmp_path / "w", balloon=LEGACY_BALLOON
+    )
+    assert balloon_of_argv(restore) == LEGACY_BALLOON
+    assert balloon_of_snapshot({"balloon": BALLOON}) == BALLOON
+    # Snapshots from before free page reporting recorded no balloon.
+    assert balloon_of_snapshot({}) == LEGACY_BALLOON
+    with pytest.raises(SnapshotIncompatible, match="balloon"):
+        balloon_of_snapshot({"balloon": "virtio-balloon-device,free-page-hint=on"})
+
+
+async def test_a_guest_that_reports_free_pages_never_maps_ram_privately(tmp_path: Path) -> None:
+    spec = _plain_spec(tmp_path, report_free_pages=True)
+    assert MachineSpec.from_dict(spec.to_dict()) == spec
+    # Records written before the field have none.
+    legacy = {k: v for k, v in spec.to_dict().items() if k != "report_free_pages"}
+    assert MachineSpec.from_dict(legacy) == replace(spec, report_free_pages=False)
+
+    state = tmp_path / "state.mig"
+    state.write_bytes(b"x")
+    memory = tmp_path / "ram"
+    memory.write_bytes(b"")
+    os.truncate(memory, spec.memory_mib * 1024 * 1024)
+    private = replace(spec, memory_shared=False, report_free_pages=False)
+    reporting = SnapshotFiles("qemu", "tcg", state, memory, spec.shape(), {"balloon": BALLOON})
+    driver = QemuDriver()
+    assert driver.needs_own_memory(reporting)
+    assert not driver.needs_own_memory(replace(reporting, meta={}))
+    # QEMU 7.2 would punch the guest's freed pages out of a file others map too.
+    with pytest.raises(SnapshotIncompatible, match="privately"):
+        await driver.restore(private, reporting, tmp_path / "w")
+    with pytest.raises(VMMStartError, match="memory_shared"):
+        await driver.boot(replace(spec, memory_shared=False), tmp_path / "w")
+    assert not (tmp_path / "w").exists()
 
 
 def test_argv_kvm_restore_and_private_ram(tmp_path: Path) -> None:

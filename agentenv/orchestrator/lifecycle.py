@@ -11,6 +11,9 @@ Memory: on a node whose data directory can reflink (XFS, btrfs), a sandbox's RAM
 of its own (``memory.raw``, a clone of the template's, mapped shared): pausing it writes
 device state only and resuming maps the same file again. Otherwise, and for fork children,
 RAM is a private copy-on-write mapping of the source's image, and pausing streams RAM.
+A sandbox with RAM of its own gives the pages its guest frees back to the host
+(``MachineSpec.report_free_pages``); a snapshot of it, fork images included, is restored
+only with RAM of its own (``VMMDriver.needs_own_memory``).
 """
 
 from __future__ import annotations
@@ -173,8 +176,13 @@ class Lifecycle:
         snap = source.snapshot
         workdir = self.sandboxes_dir / sandbox_id
         directory = SandboxDir(workdir)
+        # A guest that gives freed pages back has them punched out of its RAM file, so
+        # it never maps a file others map (a fork image, on any node; a template, on a
+        # node without reflinks, where the file is copied).
         own_memory = self.driver.shared_memory_boot and (
-            snap.files.memory_file is None or (self.own_memory_files and not private_memory)
+            snap.files.memory_file is None
+            or (self.own_memory_files and not private_memory)
+            or self.driver.needs_own_memory(snap.files)
         )
         mounts = await self.volumes.hold(sandbox_id, identity.volume_mounts, volume_slots(snap))
         now = utcnow()

@@ -210,6 +210,8 @@ class Machines:
             ),
             memory_file=memory_file,
             memory_shared=memory_shared,
+            # A boot's (a restore keeps its snapshot's): a file of the sandbox's own.
+            report_free_pages=memory_shared,
             accel=self.accel,
             net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=netns),
         )

@@ -255,6 +255,7 @@ class Orchestrator:
         own = self._lifecycle.own_memory_files = self.driver.shared_memory_boot and (
             wanted == "file" or (wanted == "auto" and reflinks)
         )
+        self.templates.report_free_pages = own
         log.info(
             "data directory %s %s reflinks: sandbox RAM is %s",
             self.config.home,
