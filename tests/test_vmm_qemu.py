@@ -853,6 +853,52 @@ async def test_snapshots_restore_into_the_machine_they_were_made_on(lab: Lab) ->
 
 
 @vm_test
+async def test_snapshots_restore_into_the_balloon_they_were_made_with(lab: Lab) -> None:
+    assert lab.shared_snapshot is not None
+    # Machines that do not ask for free page reporting have the balloon all had before.
+    assert lab.shared_snapshot.meta["balloon"] == LEGACY_BALLOON
+    spec = replace(
+        lab.child_spec("reporting", "REPORTING", lab.root / "reporting.ram", shared=True),
+        report_free_pages=True,
+    )
+    vm = await lab.driver.boot(spec, lab.root / "reporting")
+    try:
+        assert vm.balloon == BALLOON
+        assert BALLOON in read_cmdline(vm.pid)
+        await _wait_lines(vm.console_log, 1)
+        snapshot = await vm.save_state(lab.root / "snap-reporting")
+    finally:
+        await vm.kill()
+    assert snapshot.meta["balloon"] == BALLOON
+    token, last, _ = _ready_lines(vm.console_log)[-1]
+
+    # Never into a private mapping: QEMU would punch freed pages out of a shared file.
+    with pytest.raises(SnapshotIncompatible, match="privately"):
+        await lab.driver.restore(
+            replace(spec, memory_shared=False), snapshot, lab.root / "reporting-private"
+        )
+    copy = lab.root / "reporting-copy.ram"
+    _run("cp", "--sparse=always", str(spec.memory_file), str(copy))
+    back_spec = replace(spec, memory_file=copy, report_free_pages=False)
+    # The guest negotiated free page reporting: a balloon without it cannot take the
+    # stream...
+    wrong = replace(snapshot, meta={**snapshot.meta, "balloon": LEGACY_BALLOON})
+    with pytest.raises(VMMStartError, match="restoring"):
+        await lab.driver.restore(back_spec, wrong, lab.root / "reporting-wrong")
+    # ...the balloon it recorded can (whatever the spec asks of a boot), and a
+    # re-attached handle knows which one it runs.
+    back = await lab.driver.restore(back_spec, snapshot, lab.root / "reporting-back")
+    try:
+        lines = await _wait_lines(back.console_log, 1)
+        assert lines[0][0] == token and lines[0][1] == last + 1
+        await back.close()
+        back = await lab.driver.attach(lab.root / "reporting-back")
+        assert back.balloon == BALLOON
+    finally:
+        await back.kill()
+
+
+@vm_test
 async def test_failed_save_rolls_back(lab: Lab) -> None:
     vm = lab.vm
     await vm.resume()
