@@ -417,7 +417,14 @@ async def bare_restore(
     overlay = workdir / "disk.qcow2"
     qmp = workdir / "qmp.sock"
     memory = memory_file or Path(files["memory_file"])
+    # The balloon the snapshot was made with (agentenv.vmm.qemu_vm); one that reports
+    # free pages has them punched out of the RAM file, so it gets a clone of its own.
+    balloon = files.get("meta", {}).get("balloon", "virtio-balloon-device")
     t0 = time.perf_counter()
+    if "free-page-reporting=on" in balloon and not share:
+        clone = workdir / "memory.raw"
+        await _run_tool("cp", "--reflink=auto", "--sparse=always", str(memory), str(clone))
+        memory, share = clone, True
     await _run_tool(
         "qemu-img",
         "create",
@@ -483,7 +490,7 @@ async def bare_restore(
             "-device",
             "virtio-net-device,netdev=n0,mac=02:fc:00:00:00:05",
         ]
-    argv += ["-device", "virtio-balloon-device"]
+    argv += ["-device", balloon]
     log = os.open(workdir / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)

@@ -5,6 +5,10 @@ the file *is* guest RAM and a snapshot is only device state (migration capabilit
 ``x-ignore-shared``, tens of KiB, milliseconds). Mapped private, the file is a
 copy-on-write base that the guest never modifies, which is how many restored sandboxes
 share one template's RAM; such a machine's snapshot streams its RAM into the state file.
+A machine booted with ``spec.report_free_pages`` has a balloon with free page reporting,
+which QEMU 7.2 serves by punching the reported pages out of the file, whatever the
+mapping: its snapshots (which record the balloon, as they record the ``-M`` options) are
+restored only into a shared mapping (see :mod:`agentenv.vmm.qemu_vm`).
 
 Migration streams go through file descriptors passed over the QMP socket (``getfd`` +
 ``fd:``) rather than ``exec:cat``: QEMU 7.2 SIGTERMs the ``exec:`` helper as soon as the
