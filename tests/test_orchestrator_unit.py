@@ -305,6 +305,34 @@ async def test_fork_children_record_their_parent(node: Node) -> None:
     assert not image_rec.snapshot_dir.exists()
 
 
+async def test_fork_children_of_a_guest_that_reports_free_pages_get_ram_of_their_own(
+    tmp_path: Path,
+) -> None:
+    # Its driver would punch the pages the guest frees out of a fork image the children
+    # all mapped privately.
+    node = await start_node(tmp_path / "a", tmp_path / "repository", sandbox_memory="file")
+    orch = node.orchestrator
+    try:
+        parent = await orch.create(FAKE_TEMPLATE)
+        assert parent.record.memory_mode == "shared"
+        # The fake template was made without the feature: its sandboxes do not report,
+        # and their children map the fork image privately.
+        (child,) = await orch.fork(parent.sandbox_id, count=1)
+        assert isinstance(child, SandboxView) and child.record.memory_mode == "private"
+        # A boot (the resume of a filesystem-only pause) of a sandbox with RAM of its own
+        # has it.
+        await orch.pause(parent.sandbox_id, memory=False)
+        await orch.resume(parent.sandbox_id)
+        (child,) = await orch.fork(parent.sandbox_id, count=1)
+        assert isinstance(child, SandboxView) and child.record.memory_mode == "shared"
+        # And the child's own snapshots keep the balloon: its fork children too.
+        (grandchild,) = await orch.fork(child.sandbox_id, count=1)
+        assert isinstance(grandchild, SandboxView)
+        assert grandchild.record.memory_mode == "shared"
+    finally:
+        await node.stop()
+
+
 # -- rollbacks --------------------------------------------------------------------------------
 async def test_failed_restore_in_create_leaves_nothing(node: Node) -> None:
     orch = node.orchestrator
