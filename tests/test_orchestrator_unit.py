@@ -305,12 +305,18 @@ async def test_fork_children_record_their_parent(node: Node) -> None:
     assert not image_rec.snapshot_dir.exists()
 
 
+@pytest.mark.parametrize("reporting", [True, False])
 async def test_fork_children_of_a_guest_that_reports_free_pages_get_ram_of_their_own(
-    tmp_path: Path,
+    tmp_path: Path, reporting: bool
 ) -> None:
     # Its driver would punch the pages the guest frees out of a fork image the children
-    # all mapped privately.
-    node = await start_node(tmp_path / "a", tmp_path / "repository", sandbox_memory="file")
+    # all mapped privately. With free_page_reporting off, children share the image.
+    node = await start_node(
+        tmp_path / "a",
+        tmp_path / "repository",
+        sandbox_memory="file",
+        configure=lambda c: c.model_copy(update={"free_page_reporting": reporting}),
+    )
     orch = node.orchestrator
     try:
         parent = await orch.create(FAKE_TEMPLATE)
@@ -324,8 +330,10 @@ async def test_fork_children_of_a_guest_that_reports_free_pages_get_ram_of_their
         await orch.pause(parent.sandbox_id, memory=False)
         await orch.resume(parent.sandbox_id)
         (child,) = await orch.fork(parent.sandbox_id, count=1)
-        assert isinstance(child, SandboxView) and child.record.memory_mode == "shared"
-        # And the child's own snapshots keep the balloon: its fork children too.
+        mode = "shared" if reporting else "private"
+        assert isinstance(child, SandboxView) and child.record.memory_mode == mode
+        # Its children too: the child's own snapshots keep the balloon (a private
+        # child's stream RAM, which lands in a file of the grandchild's own anyway).
         (grandchild,) = await orch.fork(child.sandbox_id, count=1)
         assert isinstance(grandchild, SandboxView)
         assert grandchild.record.memory_mode == "shared"
