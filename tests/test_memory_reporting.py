@@ -1,6 +1,7 @@
 """Memory a guest frees comes back to the host.
 
-A sandbox whose RAM is a file of its own runs with virtio-balloon free page reporting:
+With ``free_page_reporting`` on, a sandbox whose RAM is a file of its own runs with
+virtio-balloon free page reporting:
 its guest kernel reports free 2 MiB blocks a couple of seconds after they are freed, and
 QEMU punches them out of the RAM file, so they leave the host's page cache (the VMM's
 resident set) and the file's disk blocks. Without it they would stay resident, dirty,
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, create_sandbox_id, run_command, vmm_pids
+from tests.helpers import ServerProcess, create_sandbox_id, live_server, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
 
@@ -52,18 +54,40 @@ def _allocated_mib(path: Path) -> float:
     return os.stat(path).st_blocks * 512 / MIB
 
 
-def test_memory_freed_in_the_guest_leaves_the_host(server: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def reporting_server(test_root: Path, guest_image: None) -> Iterator[ServerProcess]:
+    """A node with free page reporting on; ``file`` memory gives every sandbox a RAM file
+    of its own on any filesystem (copies where it cannot reflink)."""
+    node = ServerProcess(
+        home=test_root / "reporting-node",
+        extra_env={
+            "AENV_FREE_PAGE_REPORTING": "true",
+            "AENV_SANDBOX_MEMORY": "file",
+            "AENV_NETWORK_LINGER": "1",
+        },
+    )
+    with live_server(node) as srv:
+        yield srv
+
+
+def test_no_reporting_by_default(server: ServerProcess) -> None:
     with server.client() as api:
-        own_files = api.get("/health").json()["memoryMode"] == "shared"
+        sandbox_id = create_sandbox_id(api)
+        try:
+            (pid,) = vmm_pids(f"/{sandbox_id}/")
+            balloons = [arg for arg in _argv(pid) if arg.startswith("virtio-balloon")]
+        finally:
+            api.delete(f"/sandboxes/{sandbox_id}")
+    assert balloons == ["virtio-balloon-device"]
+
+
+def test_memory_freed_in_the_guest_leaves_the_host(reporting_server: ServerProcess) -> None:
+    server = reporting_server
+    with server.client() as api:
         sandbox_id = create_sandbox_id(api)
         try:
             (pid,) = vmm_pids(f"/{sandbox_id}/")
             balloon = next(arg for arg in _argv(pid) if arg.startswith("virtio-balloon"))
-            if not own_files:
-                # A node without reflinks maps the template's RAM privately: QEMU 7.2
-                # would punch freed pages out of that shared file, so nothing reports.
-                assert balloon == "virtio-balloon-device"
-                return
             assert balloon == "virtio-balloon-device,free-page-reporting=on"
             ram = _ram_file(pid)
             result = run_command(server.url, sandbox_id, ALLOCATE, timeout=300)
@@ -85,3 +109,33 @@ def test_memory_freed_in_the_guest_leaves_the_host(server: ServerProcess) -> Non
         f"while held: VMM RSS {held_rss:.0f} MiB, RAM file {held_file:.0f} MiB; "
         f"after the free: {rss:.0f} MiB and {allocated:.0f} MiB"
     )
+
+
+def test_a_reporting_sandbox_pauses_resumes_and_forks(reporting_server: ServerProcess) -> None:
+    """Its RAM file keeps the holes of the pages it gave back (they read as zeros, and the
+    guest no longer uses them); fork children get clones of the fork image, never a
+    private mapping of it, which QEMU would punch their freed pages out of."""
+    server = reporting_server
+    with server.client() as api:
+        parent = create_sandbox_id(api)
+        made = [parent]
+        try:
+            run_command(server.url, parent, "echo kept > /dev/shm/m; " + ALLOCATE, timeout=300)
+            run_command(server.url, parent, f"kill $(cat {HELD}); rm {HELD}")
+            time.sleep(5)  # reported and punched, or being so
+            assert api.post(f"/sandboxes/{parent}/pause").status_code == 204
+            assert api.post(f"/sandboxes/{parent}/connect", json={}).status_code == 201
+            assert run_command(server.url, parent, "cat /dev/shm/m").stdout == "kept\n"
+            forked = api.post(f"/sandboxes/{parent}/fork", json={"count": 2})
+            assert forked.status_code == 201, forked.text
+            children = [item["sandbox"]["sandboxID"] for item in forked.json()]
+            made += children
+            files = set()
+            for child in children:
+                assert run_command(server.url, child, "cat /dev/shm/m").stdout == "kept\n"
+                (pid,) = vmm_pids(f"/{child}/")
+                files.add(_ram_file(pid))  # asserts share=on
+            assert len(files) == 2
+        finally:
+            for sandbox_id in made:
+                api.delete(f"/sandboxes/{sandbox_id}")

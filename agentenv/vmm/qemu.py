@@ -152,7 +152,7 @@ class QemuDriver(VMMDriver):
     def __init__(
         self,
         qemu_binary: str = "qemu-system-x86_64",
-        tb_size_mib: int = 64,
+        tb_size_mib: int = 48,
         *,
         connect_timeout: float = 10.0,
         command_timeout: float = 30.0,
