@@ -302,6 +302,7 @@ class Orchestrator:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
+        await self._slots.drain()
         await self._machines.close_all()
         self._resharing.shutdown()
         await self.http.aclose()
