@@ -5,8 +5,6 @@ gateway's routing against fake nodes."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,61 +14,40 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.api.listing import Order, decode_token
-from agentenv.cluster.bindings import MemoryBindings, RedisBindings
+from agentenv.cluster.bindings import RedisBindings
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
 from agentenv.cluster.gateway import Gateway
 from agentenv.cluster.listing import merge_pages, sandbox_key
-from agentenv.cluster.models import NodeReport, NodeState, PlacementRequest
+from agentenv.cluster.models import NodeState, PlacementRequest
 from agentenv.cluster.placement import Candidate, Demand, LeastLoaded
 from agentenv.cluster.registry import NoCapacity, NodeRegistry
 from agentenv.cluster.scheduler import create_scheduler_app
 from agentenv.cluster.scheduler_client import SchedulerClient
+from tests.cluster_support import (
+    KEY,
+    Clock,
+    ServedApp,
+    echo_node,
+    redis_server,
+    registry,
+    report,
+)
 from tests.helpers import free_port
 
-KEY = "e2b_" + "cd" * 20
 
-
-def report(node_id: str, **fields: Any) -> NodeReport:
-    values: dict[str, Any] = {
-        "nodeID": node_id,
-        "url": f"http://{node_id}.test",
-        "cpuCount": 4,
-        "memoryMib": 4096,
-        "allocatedVcpus": 0,
-        "allocatedMemoryMib": 0,
-        "sandboxVcpus": 2,
-        "sandboxMemoryMib": 512,
-        "templates": ["base"],
-        **fields,
-    }
-    return NodeReport.model_validate(values)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def registry(clock: Clock, store: Any = None, overcommit: float = 1.0) -> NodeRegistry:
-    return NodeRegistry(
-        store or MemoryBindings(),
-        LeastLoaded(overcommit=overcommit),
-        node_timeout=5.0,
-        binding_grace=10.0,
-        clock=clock,
-    )
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with redis_server(tmp_path) as url:
+        yield url
 
 
 # -- placement ----------------------------------------------------------------------------
 def candidate(node_id: str, vcpus: int = 0, memory: int = 0, **fields: Any) -> Candidate:
     from agentenv.cluster.models import NodeInfo
 
-    info = NodeInfo(
-        report=report(node_id, **fields), state=NodeState.UP, lastSeen="2026-01-01T00:00:00Z"
-    )  # type: ignore[arg-type]
+    info = NodeInfo.model_validate(
+        {"report": report(node_id, **fields), "state": "up", "lastSeen": "2026-01-01T00:00:00Z"}
+    )
     return Candidate(info, vcpus, memory)
 
 
@@ -172,33 +149,6 @@ async def test_a_restarted_registry_relearns_bindings_from_rosters() -> None:
     assert await restarted.lookup("i1") is None
     await restarted.heartbeat(report("a", sandboxes=["i1"]))
     assert (await restarted.lookup("i1")).node_id == "a"  # type: ignore[union-attr]
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed (scripts/install installs it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            try:
-                subprocess.run(
-                    ["redis-cli", "-p", str(port), "ping"], check=True, capture_output=True
-                )
-                break
-            except subprocess.CalledProcessError:
-                import time
-
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 async def test_redis_keeps_bindings_and_nodes_across_a_restart(redis_url: str) -> None:
@@ -447,47 +397,6 @@ async def test_an_unreachable_redis_is_a_503_from_the_scheduler() -> None:
 
 
 # -- WebSockets through a served gateway to a served fake node --------------------------------
-class ServedApp:
-    """An ASGI app served by uvicorn on a free port, in a thread, for the block."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-
-    def __enter__(self) -> ServedApp:
-        import threading
-        import time
-
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def echo_node() -> Any:
-    from starlette.applications import Starlette
-    from starlette.routing import WebSocketRoute
-    from starlette.websockets import WebSocket
-
-    async def echo(ws: WebSocket) -> None:
-        await ws.accept()
-        seen = f"{ws.headers.get('host')} {ws.headers.get('e2b-sandbox-id')}"
-        await ws.send_text(seen)
-        async for text in ws.iter_text():
-            await ws.send_text(text.upper())
-
-    return Starlette(routes=[WebSocketRoute("/ws", echo)])
-
-
 def test_websockets_pass_through_the_gateway_both_ways() -> None:
     import asyncio
 

@@ -51,6 +51,7 @@ from agentenv.cluster.models import (
 )
 from agentenv.cluster.placement import Demand, LeastLoaded, PlacementStrategy
 from agentenv.cluster.registry import NoCapacity, NodeRegistry, UnknownNode
+from agentenv.cluster.tls import TlsSetupError, check_server_files
 from agentenv.observability import RequestMetrics
 
 log = logging.getLogger("agentenv.cluster.scheduler")
@@ -276,8 +277,26 @@ def main(argv: list[str] | None = None) -> None:
         help="static:URL,... or kubernetes:NAMESPACE/SERVICE[:PORT] (env AENV_DISCOVERY): "
         "nodes leaving that list are marked down at once (default: heartbeats only)",
     )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("AENV_TLS_CERT"),
+        help="serve over TLS with this certificate chain (PEM; env AENV_TLS_CERT); nodes "
+        "and gateways then verify it with their AENV_CA_FILE",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("AENV_TLS_KEY"),
+        help="the certificate's private key (PEM; env AENV_TLS_KEY)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        sys.exit("aenv-scheduler: --tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        try:
+            check_server_files(args.tls_cert, args.tls_key)
+        except TlsSetupError as exc:
+            sys.exit(f"aenv-scheduler: {exc}")
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key:
         sys.exit("aenv-scheduler: set AENV_API_KEY (the key nodes and gateways present)")
@@ -301,7 +320,14 @@ def main(argv: list[str] | None = None) -> None:
         discovery=discovery,
     )
     host, _, port = args.listen.rpartition(":")
-    uvicorn.run(app, host=host, port=int(port), log_level="warning")
+    uvicorn.run(
+        app,
+        host=host,
+        port=int(port),
+        log_level="warning",
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
+    )
 
 
 if __name__ == "__main__":
