@@ -19,10 +19,10 @@ from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
-from agentenv.cluster.bindings import MemoryBindings
 from agentenv.cluster.models import NodeReport
 from agentenv.cluster.placement import LeastLoaded
 from agentenv.cluster.registry import NodeRegistry
+from agentenv.cluster.store import MemoryStore
 from tests.helpers import free_port
 
 KEY = "e2b_" + "cd" * 20
@@ -54,7 +54,7 @@ class Clock:
 
 def registry(clock: Clock, store: Any = None, overcommit: float = 1.0) -> NodeRegistry:
     return NodeRegistry(
-        store or MemoryBindings(),
+        store or MemoryStore(),
         LeastLoaded(overcommit=overcommit),
         node_timeout=5.0,
         binding_grace=10.0,
