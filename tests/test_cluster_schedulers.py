@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from e2b import Sandbox
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.cluster.local import LocalCluster
 from tests.helpers import cleanup_host
@@ -80,6 +81,7 @@ def test_a_replica_killed_mid_run_loses_nothing(cluster: LocalCluster) -> None:
         ]
     created: list[Sandbox] = []
     failures: list[BaseException] = []
+    first_done = threading.Event()
 
     def create_all() -> None:
         for _ in range(CREATES):
@@ -87,20 +89,35 @@ def test_a_replica_killed_mid_run_loses_nothing(cluster: LocalCluster) -> None:
                 created.append(Sandbox.create(timeout=600, **opts))
             except BaseException as exc:  # reported by the test below
                 failures.append(exc)
+            first_done.set()
 
     creator = threading.Thread(target=create_all)
     creator.start()
     try:
         # Once one create is through, the next one is on its way: kill the replica that
         # the gateway and the nodes call first, without letting it say anything.
-        wait_for(lambda: bool(created or failures), "the first create", limit=300)
+        assert first_done.wait(300), "the first create did not finish"
         pid = cluster.procs["scheduler"].pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
+        created_before_the_kill = len(created)
     finally:
         creator.join(900)
     assert not creator.is_alive()
     assert failures == []
+    assert created_before_the_kill < CREATES
+    # The creates after the kill were placed by the other replica.
+    metrics = httpx.get(
+        f"{second}/metrics", headers={"X-API-Key": cluster.api_key}, trust_env=False, timeout=30
+    ).text
+    placed = sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "aenv_scheduler_placements_total"
+        and sample.labels.get("outcome") == "placed"
+    )
+    assert placed >= CREATES - created_before_the_kill - 1
     ids = [sbx.sandbox_id for sbx in created]
     assert len(set(ids)) == CREATES
 
