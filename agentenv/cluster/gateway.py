@@ -18,10 +18,8 @@ scheduler, so several gateways can run against one scheduler.
   (``signed_files``).
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
   404; a scheduler that cannot be reached is a 503 too.
-- Nodes serving TLS (their heartbeats report ``https://`` URLs) are reached over HTTPS
-  and WebSockets over TLS, their certificates verified against ``ca_file`` (else the
-  system's trusted ones; see ``tls``). The gateway may serve TLS to clients itself
-  (``gateway_main``), independently of how it reaches nodes.
+- Nodes serving TLS (reporting ``https://`` URLs) are reached over HTTPS and WebSockets
+  over TLS, verified against ``ca_file`` (else the system's trusted certificates).
 
 The gateway checks the API key only on what it answers itself (``/nodes``, ``/metrics``);
 nodes check everything they are sent. ``GET /nodes`` lists every node the scheduler

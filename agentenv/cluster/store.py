@@ -286,11 +286,14 @@ class RedisStore:
         await self._call("delete", self._alive_key(node_id))
 
     async def node(self, node_id: str, now: float) -> NodeRecord | None:
-        raw = await self._call("hget", self._nodes_key, node_id)
-        if raw is None:
-            return None
-        up = bool(await self._call("exists", self._alive_key(node_id)))
-        return _record(raw, up)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self._nodes_key, node_id)
+                pipe.exists(self._alive_key(node_id))
+                raw, alive = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(self.url, str(exc) or type(exc).__name__) from exc
+        return None if raw is None else _record(raw, bool(alive))
 
     async def nodes(self, now: float) -> list[NodeRecord]:
         return await self._nodes(self._redis)
