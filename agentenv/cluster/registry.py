@@ -14,6 +14,7 @@ heartbeat interval.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -86,6 +87,9 @@ class NodeRegistry:
         self._seen_states: dict[str, NodeState] = {}
         # Node addresses discovery listed at this replica's last look.
         self._discovered: set[str] = set()
+        # One placement at a time in this replica: a burst then races only the other
+        # replicas' placements in the store's optimistic transaction, not itself.
+        self._placing = asyncio.Lock()
 
     # -- node state ----------------------------------------------------------------------
     async def heartbeat(self, report: NodeReport) -> NodeInfo:
@@ -225,7 +229,8 @@ class NodeRegistry:
                 made_at=now,
             )
 
-        made = await self.store.reserve(choose, now)
+        async with self._placing:
+            made = await self.store.reserve(choose, now)
         if made is None:
             raise NoCapacity(demand, len(seen))
         return made[0], chosen_node[0]

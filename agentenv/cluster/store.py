@@ -208,6 +208,8 @@ end
 return -1
 """
 
+# Connections one scheduler process holds to Redis at most.
+_MAX_CONNECTIONS = 64
 # How often a placement is tried again when another replica's placement (or a heartbeat
 # ending reservations) changed the reservations between its read and its write.
 _RESERVE_ATTEMPTS = 100
@@ -219,9 +221,17 @@ class RedisStore:
 
     def __init__(self, url: str, prefix: str = "aenv:") -> None:
         self.url = url
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
+        # A bounded pool that makes a burst of requests wait for a connection (up to
+        # `socket_timeout`) rather than fail: redis-py's default pool refuses the 101st.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=_MAX_CONNECTIONS,
+            timeout=10,
+            decode_responses=True,
+            socket_timeout=5,
+            socket_connect_timeout=5,
         )
+        self._redis: aioredis.Redis = aioredis.Redis.from_pool(pool)
         self._prefix = prefix
         self._bindings_key = f"{prefix}bindings"
         self._nodes_key = f"{prefix}node-records"
@@ -299,6 +309,8 @@ class RedisStore:
         return await self._nodes(self._redis)
 
     async def _nodes(self, redis: Any) -> list[NodeRecord]:
+        """The nodes, read through ``redis``: the client, or a pipeline in its immediate
+        mode (after WATCH), so a placement holds one connection."""
         try:
             raw: dict[str, str] = await redis.hgetall(self._nodes_key)
             ids = sorted(raw)
@@ -319,7 +331,7 @@ class RedisStore:
                     try:
                         await pipe.watch(self._reservations_key)
                         held = await pipe.hgetall(self._reservations_key)
-                        records = await self._nodes(self._redis)
+                        records = await self._nodes(pipe)
                         chosen = choose(records, [_reservation(str(v)) for v in held.values()])
                         if chosen is None:
                             return None
