@@ -201,7 +201,8 @@ class LocalCluster:
         base["AENV_API_KEY"] = self.api_key
         tls: dict[str, str] = {}
         if self.tls:
-            ca = make_local_ca(self.root / "tls", TLS_DOMAIN)
+            # Valid for 30 days: a local cluster may be left running for a while.
+            ca = make_local_ca(self.root / "tls", TLS_DOMAIN, days=30)
             tls = {
                 "AENV_TLS_CERT": str(ca.server_cert.resolve()),
                 "AENV_TLS_KEY": str(ca.server_key.resolve()),
