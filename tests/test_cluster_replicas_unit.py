@@ -95,6 +95,9 @@ async def test_a_silent_node_goes_down_for_every_replica(redis_url: str) -> None
     first, second = replica(redis_url, node_timeout=1.0), replica(redis_url, node_timeout=1.0)
     await first.heartbeat(report("a"))
     assert (await second.node("a")).state is NodeState.UP  # type: ignore[union-attr]
+    third = replica(redis_url, node_timeout=1.0)
+    assert await third.newly_down() == []  # a look: it sees a up, not told by a heartbeat
+    assert third.states_seen() == {"a": NodeState.UP}
     # Redis expires its liveness: no replica needs to have seen it go.
     for _ in range(600):
         if (await second.node("a")).state is NodeState.DOWN:  # type: ignore[union-attr]
@@ -103,9 +106,12 @@ async def test_a_silent_node_goes_down_for_every_replica(redis_url: str) -> None
     assert (await second.node("a")).state is NodeState.DOWN  # type: ignore[union-attr]
     assert await second.newly_down() == []  # it never saw it up
     assert await first.newly_down() == ["a"]
+    assert await third.newly_down() == ["a"]
     await second.heartbeat(report("a"))
     assert (await first.node("a")).state is NodeState.UP  # type: ignore[union-attr]
-    for reg in (first, second):
+    await second.forget("a")
+    assert await third.newly_down() == [] and third.states_seen() == {}
+    for reg in (first, second, third):
         await reg.store.aclose()
 
 

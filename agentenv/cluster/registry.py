@@ -140,13 +140,18 @@ class NodeRegistry:
         await self.store.end_reservations(*ended)
 
     async def newly_down(self) -> list[str]:
-        """Nodes down (silent for ``node_timeout``, or gone from discovery) that this
-        replica last saw up; for its log and metrics (the store decides what is down)."""
-        return [
+        """Refresh this replica's view of every node's state (its log and metrics; the
+        store decides what is down) and return the nodes it saw up and now sees down
+        (silent for ``node_timeout``, or gone from discovery)."""
+        nodes = await self.nodes()
+        downed = [
             node.node_id
-            for node in await self.nodes()
-            if node.state is NodeState.DOWN and self._note(node.node_id, NodeState.DOWN)
+            for node in nodes
+            if self._note(node.node_id, node.state) and node.state is NodeState.DOWN
         ]
+        for node_id in set(self._seen_states) - {node.node_id for node in nodes}:
+            del self._seen_states[node_id]  # forgotten, through another replica
+        return downed
 
     async def follow_discovery(self, urls: set[str]) -> list[str]:
         """Discovery (``discovery``) listed ``urls`` now: up nodes whose address it listed
