@@ -310,6 +310,11 @@ def test_a_scheduler_restart_with_redis_loses_no_binding(
     finally:
         for proc in nodes:
             os.kill(proc.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    # Frozen, they went silent and so down; their next heartbeats bring them back.
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        wait_for(
+            lambda: len(cluster.nodes_up(http)) == cluster.nodes, "the nodes to heartbeat again"
+        )
     for sbx in pair:
         assert sbx.commands.run("echo still here").stdout == "still here\n"
 

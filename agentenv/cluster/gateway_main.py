@@ -1,5 +1,6 @@
 """``aenv-gateway``'s command line: settings from arguments and the environment, then
-:class:`~agentenv.cluster.gateway.Gateway` served by uvicorn."""
+:class:`~agentenv.cluster.gateway.Gateway` served by uvicorn (over TLS with a certificate
+and key: then clients set ``E2B_DOMAIN`` to the gateway's domain alone)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import uvicorn
 
 from agentenv.cluster.gateway import DEFAULT_LISTEN, KEEP_ALIVE_S, Gateway
 from agentenv.cluster.scheduler_client import SchedulerClient
+from agentenv.cluster.tls import TlsSetupError, check_server_files, client_context
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +24,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--scheduler",
         default=os.environ.get("AENV_SCHEDULER_URL"),
-        help="the scheduler's URL (env AENV_SCHEDULER_URL)",
+        help="the scheduler's URL, or its replicas' comma-separated (env AENV_SCHEDULER_URL)",
+    )
+    parser.add_argument(
+        "--ca-file",
+        default=os.environ.get("AENV_CA_FILE"),
+        help="CA bundle (PEM) https:// nodes and schedulers are verified with "
+        "(env AENV_CA_FILE; default: the system's trusted certificates)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("AENV_TLS_CERT"),
+        help="serve clients over TLS with this certificate chain (PEM; env AENV_TLS_CERT); "
+        "for E2B_DOMAIN alone it names the domain and *.domain",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("AENV_TLS_KEY"),
+        help="the certificate's private key (PEM; env AENV_TLS_KEY)",
     )
     parser.add_argument(
         "--domain",
@@ -40,16 +59,25 @@ def main(argv: list[str] | None = None) -> None:
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key or not args.scheduler:
         sys.exit("aenv-gateway: set AENV_API_KEY and --scheduler (or AENV_SCHEDULER_URL)")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        sys.exit("aenv-gateway: --tls-cert and --tls-key go together")
+    try:
+        client_context(args.ca_file)
+        if args.tls_cert is not None:
+            check_server_files(args.tls_cert, args.tls_key)
+    except TlsSetupError as exc:
+        sys.exit(f"aenv-gateway: {exc}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     gateway = Gateway(
-        SchedulerClient(args.scheduler, api_key),
+        SchedulerClient(args.scheduler, api_key, ca_file=args.ca_file),
         api_key,
         args.domain,
         route_cache_s=args.route_cache,
+        ca_file=args.ca_file,
     )
     host, _, port = args.listen.rpartition(":")
     uvicorn.run(
@@ -59,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
         h11_max_incomplete_event_size=1024 * 1024,
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
     )
 
 
