@@ -1,6 +1,6 @@
 """What the cluster's unit tests share: node reports, a settable clock, a registry over a
 store, a real redis-server, and ASGI apps served by uvicorn on a free port (over TLS when
-given a certificate)."""
+given a certificate); and the VM tests' local cluster (:func:`running_cluster`)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
+from agentenv.cluster.local import LocalCluster
 from agentenv.cluster.models import NodeReport
 from agentenv.cluster.placement import LeastLoaded
 from agentenv.cluster.registry import NodeRegistry
 from agentenv.cluster.store import MemoryStore
-from tests.helpers import free_port
+from tests.helpers import cleanup_host, free_port
 
 KEY = "e2b_" + "cd" * 20
 
@@ -134,3 +135,21 @@ def echo_node() -> Any:
             await ws.send_text(text.upper())
 
     return Starlette(routes=[WebSocketRoute("/ws", echo)])
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path, **options: Any) -> Iterator[LocalCluster]:
+    """A :class:`LocalCluster` under ``root`` for the block (heartbeats every 0.5 s, a
+    node down after 5 s, networks of paused sandboxes kept 1 s, unless ``options`` say
+    otherwise); afterwards stopped and every node's host resources released."""
+    options.setdefault("heartbeat_interval", 0.5)
+    options.setdefault("node_timeout", 5.0)
+    options.setdefault("node_env", {"AENV_NETWORK_LINGER": "1"})
+    local = LocalCluster(root, **options)
+    try:
+        local.up()
+        yield local
+    finally:
+        local.down()
+        for index in range(local.nodes):
+            cleanup_host(local.root / local.node_name(index))

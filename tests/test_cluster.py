@@ -17,28 +17,22 @@ from e2b import PtySize, Sandbox
 
 from agentenv.client import AgentEnv
 from agentenv.cluster.local import LocalCluster
-from tests.helpers import cleanup_host, envelope
+from tests.cluster_support import running_cluster
+from tests.helpers import envelope
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
 def cluster(test_root: Path, guest_image: None) -> Iterator[LocalCluster]:
-    local = LocalCluster(
+    with running_cluster(
         test_root / "cluster",
         nodes=3,
-        heartbeat_interval=0.5,
         node_timeout=3.0,
         # A commit under TCG on a busy machine may take long; the wait covers it.
         node_env={"AENV_NETWORK_LINGER": "1", "AENV_COMMIT_WAIT": "170"},
-    )
-    try:
-        local.up()
+    ) as local:
         yield local
-    finally:
-        local.down()
-        for index in range(local.nodes):
-            cleanup_host(local.root / local.node_name(index))
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,8 @@ from e2b import Sandbox
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.cluster.local import LocalCluster
-from tests.helpers import cleanup_host
+from tests.cluster_support import running_cluster
+from tests.e2b.support import wait_until
 
 pytestmark = pytest.mark.vm
 
@@ -30,21 +30,8 @@ CREATES = 4
 
 @pytest.fixture(scope="module")
 def cluster(test_root: Path, guest_image: None) -> Iterator[LocalCluster]:
-    local = LocalCluster(
-        test_root / "replicas-cluster",
-        nodes=2,
-        schedulers=2,
-        heartbeat_interval=0.5,
-        node_timeout=5.0,
-        node_env={"AENV_NETWORK_LINGER": "1"},
-    )
-    try:
-        local.up()
+    with running_cluster(test_root / "replicas-cluster", nodes=2, schedulers=2) as local:
         yield local
-    finally:
-        local.down()
-        for index in range(local.nodes):
-            cleanup_host(local.root / local.node_name(index))
 
 
 def scheduler_get(url: str, cluster: LocalCluster, path: str) -> Any:
@@ -53,15 +40,6 @@ def scheduler_get(url: str, cluster: LocalCluster, path: str) -> Any:
     )
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-def wait_for(check: Callable[[], bool], what: str, limit: float = 90.0) -> None:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_a_replica_killed_mid_run_loses_nothing(cluster: LocalCluster) -> None:
@@ -128,7 +106,7 @@ def test_a_replica_killed_mid_run_loses_nothing(cluster: LocalCluster) -> None:
         rosters = [set(n["report"]["sandboxes"]) for n in nodes]
         return all(n["state"] == "up" for n in nodes) and set(ids) <= set().union(*rosters)
 
-    wait_for(settled, "both nodes to report through the surviving replica")
+    wait_until(settled, "both nodes to report through the surviving replica", limit=90)
     nodes = scheduler_get(second, cluster, "/nodes")
     holders = {n["report"]["nodeID"]: set(n["report"]["sandboxes"]) for n in nodes}
     assert not holders["node-0"] & holders["node-1"]

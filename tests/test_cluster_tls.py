@@ -17,28 +17,15 @@ import httpx
 import pytest
 
 from agentenv.cluster.local import LocalCluster
-from tests.helpers import cleanup_host
+from tests.cluster_support import running_cluster
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
 def cluster(test_root: Path, guest_image: None) -> Iterator[LocalCluster]:
-    local = LocalCluster(
-        test_root / "tls-cluster",
-        nodes=2,
-        tls=True,
-        heartbeat_interval=0.5,
-        node_timeout=5.0,
-        node_env={"AENV_NETWORK_LINGER": "1"},
-    )
-    try:
-        local.up()
+    with running_cluster(test_root / "tls-cluster", nodes=2, tls=True) as local:
         yield local
-    finally:
-        local.down()
-        for index in range(local.nodes):
-            cleanup_host(local.root / local.node_name(index))
 
 
 def scheduler_get(cluster: LocalCluster, path: str) -> Any:

@@ -13,7 +13,12 @@ import uvicorn
 
 from agentenv.cluster.gateway import DEFAULT_LISTEN, KEEP_ALIVE_S, Gateway
 from agentenv.cluster.scheduler_client import SchedulerClient
-from agentenv.cluster.tls import TlsSetupError, check_server_files, client_context
+from agentenv.cluster.tls import (
+    TlsSetupError,
+    add_server_arguments,
+    check_server_arguments,
+    client_context,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,17 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         help="CA bundle (PEM) https:// nodes and schedulers are verified with "
         "(env AENV_CA_FILE; default: the system's trusted certificates)",
     )
-    parser.add_argument(
-        "--tls-cert",
-        default=os.environ.get("AENV_TLS_CERT"),
-        help="serve clients over TLS with this certificate chain (PEM; env AENV_TLS_CERT); "
-        "for E2B_DOMAIN alone it names the domain and *.domain",
-    )
-    parser.add_argument(
-        "--tls-key",
-        default=os.environ.get("AENV_TLS_KEY"),
-        help="the certificate's private key (PEM; env AENV_TLS_KEY)",
-    )
+    add_server_arguments(parser, "for E2B_DOMAIN alone it names the domain and *.domain")
     parser.add_argument(
         "--domain",
         default=os.environ.get("AENV_DOMAIN"),
@@ -59,12 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key or not args.scheduler:
         sys.exit("aenv-gateway: set AENV_API_KEY and --scheduler (or AENV_SCHEDULER_URL)")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        sys.exit("aenv-gateway: --tls-cert and --tls-key go together")
+    check_server_arguments("aenv-gateway", args)
     try:
         client_context(args.ca_file)
-        if args.tls_cert is not None:
-            check_server_files(args.tls_cert, args.tls_key)
     except TlsSetupError as exc:
         sys.exit(f"aenv-gateway: {exc}")
     logging.basicConfig(

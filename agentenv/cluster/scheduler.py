@@ -59,7 +59,7 @@ from agentenv.cluster.models import (
 from agentenv.cluster.placement import Demand, LeastLoaded, PlacementStrategy
 from agentenv.cluster.registry import NoCapacity, NodeRegistry, UnknownNode
 from agentenv.cluster.store import StoreUnavailable, open_store
-from agentenv.cluster.tls import TlsSetupError, check_server_files
+from agentenv.cluster.tls import add_server_arguments, check_server_arguments
 from agentenv.observability import RequestMetrics
 
 log = logging.getLogger("agentenv.cluster.scheduler")
@@ -291,26 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         help="static:URL,... or kubernetes:NAMESPACE/SERVICE[:PORT] (env AENV_DISCOVERY): "
         "nodes leaving that list are marked down at once (default: heartbeats only)",
     )
-    parser.add_argument(
-        "--tls-cert",
-        default=os.environ.get("AENV_TLS_CERT"),
-        help="serve over TLS with this certificate chain (PEM; env AENV_TLS_CERT); nodes "
-        "and gateways then verify it with their AENV_CA_FILE",
-    )
-    parser.add_argument(
-        "--tls-key",
-        default=os.environ.get("AENV_TLS_KEY"),
-        help="the certificate's private key (PEM; env AENV_TLS_KEY)",
-    )
+    add_server_arguments(parser, "nodes and gateways then verify it with their AENV_CA_FILE")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    if (args.tls_cert is None) != (args.tls_key is None):
-        sys.exit("aenv-scheduler: --tls-cert and --tls-key go together")
-    if args.tls_cert is not None:
-        try:
-            check_server_files(args.tls_cert, args.tls_key)
-        except TlsSetupError as exc:
-            sys.exit(f"aenv-scheduler: {exc}")
+    check_server_arguments("aenv-scheduler", args)
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key:
         sys.exit("aenv-scheduler: set AENV_API_KEY (the key nodes and gateways present)")

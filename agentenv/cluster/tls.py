@@ -10,7 +10,10 @@ WebSockets alike. Nodes and gateways verify an ``https://`` scheduler the same w
 
 from __future__ import annotations
 
+import argparse
+import os
 import ssl
+import sys
 from pathlib import Path
 
 
@@ -36,3 +39,30 @@ def check_server_files(cert: Path | str, key: Path | str) -> None:
         context.load_cert_chain(str(cert), str(key))
     except (OSError, ssl.SSLError) as exc:
         raise TlsSetupError(f"cannot serve TLS with {cert} and key {key}: {exc}") from exc
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, verified_by: str) -> None:
+    """``--tls-cert``/``--tls-key`` (env ``AENV_TLS_CERT``/``AENV_TLS_KEY``): serve over TLS;
+    ``verified_by`` says who checks the certificate."""
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("AENV_TLS_CERT"),
+        help="serve over TLS with this certificate chain (PEM; env AENV_TLS_CERT); " + verified_by,
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("AENV_TLS_KEY"),
+        help="the certificate's private key (PEM; env AENV_TLS_KEY)",
+    )
+
+
+def check_server_arguments(prog: str, args: argparse.Namespace) -> None:
+    """Exit with a clear message unless the TLS options of :func:`add_server_arguments`
+    are both absent or both usable."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        sys.exit(f"{prog}: --tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        try:
+            check_server_files(args.tls_cert, args.tls_key)
+        except TlsSetupError as exc:
+            sys.exit(f"{prog}: {exc}")
