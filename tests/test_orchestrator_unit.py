@@ -9,10 +9,12 @@ import shutil
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agentenv.config import Config
+from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import (
     Conflict,
     OperationFailed,
@@ -333,6 +335,52 @@ async def test_fork_children_record_their_parent(node: Node) -> None:
     await orch.kill(parent.sandbox_id)
     assert orch.store.get_snapshot(image) is None
     assert not image_rec.snapshot_dir.exists()
+
+
+async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A create with ``envd_in_background`` answers before envd's /init; traffic, pause,
+    snapshot and fork wait for it; a sandbox whose first /init failed takes no traffic
+    (its envd has no token yet) and can still be killed."""
+    orch = node.orchestrator
+    view = await orch.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
+    sandbox_id = view.sandbox_id
+    assert orch.get(sandbox_id).state == "running"
+    ready = await orch.ready_for_traffic(sandbox_id)
+    (init,) = node.envd.inits(view.guest_address)
+    assert init.json()["accessToken"] == ready.record.envd_token
+    assert orch._lifecycle.settling(sandbox_id) is None
+    paused = await orch.pause(sandbox_id)
+    assert paused.state == "paused"
+    await orch.kill(sandbox_id)
+
+    # An operation right after the create waits for the /init, not beside it.
+    gate = asyncio.Event()
+    real_init = envd_client.init
+
+    async def gated_init(*args: Any, **kwargs: Any) -> None:
+        await gate.wait()
+        await real_init(*args, **kwargs)
+
+    monkeypatch.setattr(envd_client, "init", gated_init)
+    inits_before = len(node.envd.inits())
+    second = await orch.create(FAKE_TEMPLATE, envd_in_background=True)
+    assert orch._lifecycle.settling(second.sandbox_id) is not None
+    snapshotting = asyncio.ensure_future(orch.snapshot(second.sandbox_id, "after-init"))
+    await asyncio.sleep(0.2)
+    assert not snapshotting.done() and len(node.envd.inits()) == inits_before
+    gate.set()
+    await snapshotting
+    assert len(node.envd.inits()) == inits_before + 1
+    assert orch._lifecycle.settling(second.sandbox_id) is None
+    await orch.kill(second.sandbox_id)
+    monkeypatch.setattr(envd_client, "init", real_init)
+
+    node.envd.init_status = 500
+    broken = await orch.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
+    with pytest.raises(OperationFailed, match="envd /init failed"):
+        await orch.ready_for_traffic(broken.sandbox_id)
+    await orch.kill(broken.sandbox_id)
+    assert orch.store.get_sandbox(broken.sandbox_id) is None
 
 
 # -- rollbacks --------------------------------------------------------------------------------

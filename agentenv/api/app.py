@@ -268,6 +268,8 @@ def create_app(
                 auto_pause=body.auto_pause,
                 auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
                 volume_mounts=[Requested(m.name, m.path) for m in body.volume_mounts],
+                # Clients reach envd through the proxy, which waits for its /init.
+                envd_in_background=True,
             )
             view = await telemetry.timed("create", started)
             return sandbox_body(view)
