@@ -147,7 +147,14 @@ class Orchestrator:
         # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
         # filter, on the host, per request.
         self.network.resolve_secrets_with(self.secrets.value)
-        self.volumes = Volumes(config.home / "volumes", config.node_name, self.catalog, self.store)
+        self.volumes = Volumes(
+            config.home / "volumes",
+            config.node_name,
+            self.catalog,
+            self.store,
+            self.http,
+            lambda slot: self.network.describe(slot).guest_address,
+        )
         self.templates = TemplateManager(
             config,
             self.store,

@@ -11,9 +11,12 @@ then on, so pause and resume keep it (a full pause keeps the guest's mount and i
 cache with the RAM; a filesystem-only pause mounts it again after the boot).
 
 ext4 has one writer: a volume is held by at most one sandbox (running or paused) on its
-node, or, between those, by one content-API request at a time. A second holder is
-refused with 409, and so is a mount on a node other than the volume's (the image is not
-moved between nodes yet), a destroy while held, and snapshotting or forking a sandbox
+node, or, between those, by one content-API request at a time on the host. While a
+running sandbox holds it, the content API goes through that sandbox's guest instead
+(:mod:`.volume_content`). A second holder is refused with 409, and so is a mount on a
+node other than the volume's (the image is not moved between nodes yet), the content
+API while the holder is paused or changing state, a destroy while held, and
+snapshotting or forking a sandbox
 that has volumes mounted: the guest's RAM holds the mounted filesystem, and E2B does not
 put volume content in snapshots either.
 
@@ -29,7 +32,7 @@ import contextlib
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,13 +47,10 @@ from agentenv.orchestrator.errors import (
     VolumeNotFound,
 )
 from agentenv.orchestrator.records import VolumeEntry
+from agentenv.orchestrator.states import PUBLIC_STATE, SandboxState
 from agentenv.orchestrator.store import SandboxEvent, Store, VolumeMount, utcnow
-from agentenv.storage.volumes import (
-    MountedVolume,
-    VolumeImageError,
-    make_image,
-    mounted,
-)
+from agentenv.orchestrator.volume_content import GuestVolumeFiles, HostVolumeFiles, VolumeFiles
+from agentenv.storage.volumes import VolumeImageError, make_image, mounted
 
 log = logging.getLogger("agentenv.volumes")
 
@@ -78,11 +78,22 @@ class Requested:
 
 
 class Volumes:
-    def __init__(self, directory: Path, node: str, catalog: Catalog, store: Store) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        node: str,
+        catalog: Catalog,
+        store: Store,
+        http: httpx.AsyncClient,
+        guest_address: Callable[[int], str],
+    ) -> None:
         self.directory = directory
         self.node = node
         self.catalog = catalog
         self.store = store
+        self.http = http
+        # A network slot's guest address: where a holding sandbox's envd answers.
+        self.guest_address = guest_address
         self._holders: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Whatever removes a sandbox's record (kill, a failed create, a VMM that died
@@ -156,26 +167,55 @@ class Volumes:
 
     # -- the content API ---------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def files(self, volume_id: str, token: str | None) -> AsyncIterator[MountedVolume]:
-        """The volume's files, mounted on the host while the block runs; 404 for a
-        volume that does not exist or a wrong token, 409 while a sandbox holds it."""
+    async def files(self, volume_id: str, token: str | None) -> AsyncIterator[VolumeFiles]:
+        """The volume's files while the block runs: through the guest of the running
+        sandbox that holds it, else through the image mounted on the host (one
+        content request at a time). 404 for a volume that does not exist or a wrong
+        token; 409 while a sandbox that is not running (paused, changing) holds it."""
         entry = await self.catalog.get_volume(volume_id)
         if entry is None or token is None or not secrets.compare_digest(token, entry.token):
             raise VolumeNotFound(volume_id)
         if entry.node != self.node:
             raise Conflict(f"volume {entry.name!r} lives on node {entry.node}")
+        guest = self._in_guest(entry)
+        if guest is not None:
+            yield guest
+            return
         async with self._lock(entry.id):
-            holder = self._holders.get(entry.id)
-            if holder is not None:
-                raise Conflict(
-                    f"volume {entry.name!r} is mounted in sandbox {holder}: use the "
-                    "sandbox's files API while it holds the volume"
-                )
+            guest = self._in_guest(entry)  # a sandbox took it while this waited
+            if guest is not None:
+                yield guest
+                return
             try:
                 async with mounted(self.image(entry.id)) as files:
-                    yield files
+                    yield HostVolumeFiles(files)
             except VolumeImageError as exc:
                 raise OperationFailed(f"volume {entry.name!r}: {exc}") from exc
+
+    def _in_guest(self, entry: VolumeEntry) -> GuestVolumeFiles | None:
+        """The volume's files in the guest of the sandbox holding it; ``None`` if no
+        sandbox does; 409 if the one that does is not running."""
+        holder = self._holders.get(entry.id)
+        if holder is None:
+            return None
+        rec = self.store.get_sandbox(holder)
+        mount = None if rec is None else next(
+            (m for m in rec.volumes if m.volume_id == entry.id), None
+        )  # fmt: skip
+        if rec is None or mount is None or rec.state != SandboxState.RUNNING:
+            state = "gone" if rec is None else PUBLIC_STATE.get(rec.state, rec.state)
+            raise Conflict(
+                f"volume {entry.name!r} is held by sandbox {holder}, which is {state}: its "
+                "files can be reached while that sandbox runs, or once it is killed"
+            )
+        return GuestVolumeFiles(
+            self.http,
+            self.guest_address(rec.slot),
+            rec.envd_token,
+            slot_device(mount.slot),
+            mount.path,
+            entry.name,
+        )
 
     # -- sandboxes ---------------------------------------------------------------------
     async def hold(
