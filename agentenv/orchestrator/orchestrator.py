@@ -275,6 +275,7 @@ class Orchestrator:
         self.volumes.startup()
         self.templates.cleanup_staging()
         await self._recovery.run()
+        self.volumes.settle()
         self._sync.resume_unfinished()
         self._supervisor.every("reaper", REAP_INTERVAL_S, self._reap)
         if watch_handoffs:
@@ -309,6 +310,7 @@ class Orchestrator:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
+        await self.volumes.drain()
         await self._machines.close_all()
         self._resharing.shutdown()
         await self.http.aclose()
