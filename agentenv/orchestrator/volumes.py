@@ -53,6 +53,7 @@ from agentenv.orchestrator.errors import (
     Conflict,
     InvalidRequest,
     OperationFailed,
+    RepositoryUnavailable,
     VolumeNotFound,
 )
 from agentenv.orchestrator.records import VolumeEntry
@@ -305,7 +306,12 @@ class Volumes:
             except VolumeImageError as exc:
                 raise OperationFailed(f"volume {entry.name!r}: {exc}") from exc
             finally:
-                await self._publish_locked(entry.id)
+                try:
+                    await self._publish_locked(entry.id)
+                except RepositoryUnavailable as exc:
+                    # The request itself is done; this node keeps the claim, and
+                    # publishes at its next release of the volume or its next start.
+                    log.warning("publishing volume %s failed: %s", entry.name, exc)
 
     def _in_guest(self, entry: VolumeEntry) -> GuestVolumeFiles | None:
         """The volume's files in the guest of the sandbox holding it; ``None`` if no
