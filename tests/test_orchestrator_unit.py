@@ -222,6 +222,36 @@ async def test_create_pause_resume_kill(tmp_path: Path, sandbox_memory: str) -> 
         await node.stop()
 
 
+async def test_kill_keeps_the_slot_until_its_network_is_gone(node: Node) -> None:
+    """A kill answers before the network's removal finishes (the kernel's veth deletion
+    is slow), but no sandbox is given that slot until it has; then the slot is free."""
+    orch = node.orchestrator
+    first = await orch.create(FAKE_TEMPLATE)
+    slot = first.record.slot
+    removing = asyncio.Event()
+    removed = asyncio.Event()
+    real_destroy = node.network.destroy
+
+    async def slow_destroy(s: int) -> None:
+        removing.set()
+        await removed.wait()
+        await real_destroy(s)
+
+    node.network.destroy = slow_destroy  # type: ignore[method-assign,assignment]
+    await orch.kill(first.sandbox_id)
+    await asyncio.wait_for(removing.wait(), 10)
+    assert slot in node.network.live, "still being removed"
+    second = await orch.create(FAKE_TEMPLATE)
+    assert second.record.slot != slot
+    removed.set()
+    await orch._slots.drain()
+    assert slot not in node.network.live
+    third = await orch.create(FAKE_TEMPLATE)
+    assert third.record.slot == slot
+    for view in (second, third):
+        await orch.kill(view.sandbox_id)
+
+
 async def test_kill_stops_a_resumes_envd_init(node: Node) -> None:
     # A resumed guest whose envd never answers: its /init retries in the background
     # until the sandbox is killed, then stops at once instead of running out its time.

@@ -505,11 +505,12 @@ class Lifecycle:
             await self.machines.kill_leftover(SandboxDir(rec.workdir).vm_dir)
         phases.mark("vm")
         try:
-            await self.network.destroy(rec.slot)
+            await self.network.detach(rec.slot)
         except Exception as exc:
             # The VM is gone; what is left of the namespace is reclaimed at the next
             # start. The sandbox itself must not linger, half-killed.
             log.warning("sandbox %s: network teardown failed: %s", sandbox_id, exc)
+        self.slots.release_after(rec.slot, self.network.destroy(rec.slot))
         phases.mark("network")
         shutil.rmtree(rec.workdir, ignore_errors=True)
         self.store.delete_sandbox(sandbox_id)

@@ -311,6 +311,7 @@ class Orchestrator:
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
         await self.volumes.drain()
+        await self._slots.drain()
         await self._machines.close_all()
         self._resharing.shutdown()
         await self.http.aclose()
