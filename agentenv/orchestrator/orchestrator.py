@@ -147,7 +147,14 @@ class Orchestrator:
         # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
         # filter, on the host, per request.
         self.network.resolve_secrets_with(self.secrets.value)
-        self.volumes = Volumes(config.home / "volumes", config.node_name, self.catalog, self.store)
+        self.volumes = Volumes(
+            config.home / "volumes",
+            config.node_name,
+            self.catalog,
+            self.store,
+            self.http,
+            lambda slot: self.network.describe(slot).guest_address,
+        )
         self.templates = TemplateManager(
             config,
             self.store,
@@ -268,6 +275,7 @@ class Orchestrator:
         self.volumes.startup()
         self.templates.cleanup_staging()
         await self._recovery.run()
+        self.volumes.settle()
         self._sync.resume_unfinished()
         self._supervisor.every("reaper", REAP_INTERVAL_S, self._reap)
         if watch_handoffs:
@@ -302,6 +310,7 @@ class Orchestrator:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
+        await self.volumes.drain()
         await self._slots.drain()
         await self._machines.close_all()
         self._resharing.shutdown()
