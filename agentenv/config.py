@@ -154,8 +154,12 @@ class Config(BaseModel):
     # from the host name and data directory.
     node_id: str | None = None
     # The cluster scheduler this node sends heartbeats to (http://host:9090, see
-    # agentenv.cluster); None: a node on its own, no heartbeats.
+    # agentenv.cluster), or its replicas comma-separated (each heartbeat goes to the first
+    # that answers); None: a node on its own, no heartbeats.
     scheduler_url: str | None = None
+    # The CA bundle (PEM) this node verifies an https:// scheduler with; None: the
+    # system's trusted certificates.
+    ca_file: Path | None = None
     # The URL gateways reach this node at, reported in heartbeats; None: http://{listen}.
     node_url: str | None = None
     # Seconds between heartbeats; the scheduler marks a node down after several missed.

@@ -68,6 +68,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentenv.config import Config
 from agentenv.network import NetworkManager
+from agentenv.network.addresses import GUEST_MAC, TAP_NAME
+from agentenv.storage.volumes import make_empty_slot
+from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec
+from agentenv.vmm.qemu import QemuDriver
+from agentenv.vmm.qemu_vm import (
+    balloon_of_snapshot,
+    machine_of_snapshot,
+    qmp_socket_path,
+    reports_free_pages,
+)
 from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -397,6 +407,45 @@ async def _run_tool(*argv: str) -> None:
         raise RuntimeError(f"{argv[0]} failed: {err.decode(errors='replace')}")
 
 
+def _bare_argv(
+    manifest: dict[str, Any], workdir: Path, overlay: Path, memory: Path, share: bool
+) -> list[str]:
+    """The command line agentenv's QEMU driver gives a restore of this snapshot (machine
+    options it was made on, drives, volume slots, NIC, balloon, TCG cache size), built by
+    the driver so the baseline presents the same device set; only the timed path (process
+    start → ``cont``) is bare, driven by raw QMP."""
+    files = manifest["files"]
+    drives = [
+        DriveSpec("root", overlay, fmt="qcow2"),
+        DriveSpec("tools", Path(manifest["tools_drive"]), read_only=True),
+    ]
+    for drive_id in files["shape"]["drives"][2:]:
+        slot = workdir / f"{drive_id}.empty"
+        if not slot.exists():
+            make_empty_slot(slot)
+        drives.append(DriveSpec(drive_id, slot))
+    spec = MachineSpec(
+        vcpus=manifest["vcpus"],
+        memory_mib=manifest["memory_mib"],
+        kernel=Path(manifest["kernel"]),
+        initrd=Path(manifest["initrd"]) if manifest.get("initrd") else None,
+        cmdline=manifest["cmdline"],
+        drives=tuple(drives),
+        memory_file=memory,
+        memory_shared=share,
+        accel=files["accel"],
+        net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC) if files["shape"].get("net") else None,
+    )
+    meta = files.get("meta", {})
+    return QemuDriver(tb_size_mib=Config().tcg_tb_size_mib).build_argv(
+        spec,
+        workdir,
+        incoming=True,
+        machine=machine_of_snapshot(meta),
+        balloon=balloon_of_snapshot(meta),
+    )
+
+
 async def bare_restore(
     snapshot_dir: Path,
     workdir: Path,
@@ -412,16 +461,14 @@ async def bare_restore(
     mapped private unless another ``memory_file`` / ``share`` is given."""
     manifest = json.loads((snapshot_dir / "snapshot.json").read_text())
     files = manifest["files"]
-    shape = files["shape"]
     workdir.mkdir(parents=True, exist_ok=True)
     overlay = workdir / "disk.qcow2"
-    qmp = workdir / "qmp.sock"
     memory = memory_file or Path(files["memory_file"])
     # The balloon the snapshot was made with (agentenv.vmm.qemu_vm); one that reports
     # free pages has them punched out of the RAM file, so it gets a clone of its own.
-    balloon = files.get("meta", {}).get("balloon", "virtio-balloon-device")
+    balloon = balloon_of_snapshot(files.get("meta", {}))
     t0 = time.perf_counter()
-    if "free-page-reporting=on" in balloon and not share:
+    if reports_free_pages(balloon) and not share:
         clone = workdir / "memory.raw"
         await _run_tool("cp", "--reflink=auto", "--sparse=always", str(memory), str(clone))
         memory, share = clone, True
@@ -439,65 +486,19 @@ async def bare_restore(
     )
     if not time_overlay:
         t0 = time.perf_counter()
-    accel = files["accel"]
     argv = [
         "nsenter",
         f"--net=/run/netns/{netns}",
         "--",
-        "qemu-system-x86_64",
-        "-M",
-        "microvm,memory-backend=mem0",
-        "-accel",
-        "tcg,tb-size=64" if accel == "tcg" else "kvm",
-        "-cpu",
-        "max" if accel == "tcg" else "host,-arch-capabilities",
-        "-smp",
-        str(manifest["vcpus"]),
-        "-m",
-        f"{manifest['memory_mib']}M",
-        "-object",
-        f"memory-backend-file,id=mem0,size={manifest['memory_mib']}M,"
-        f"mem-path={memory},share={'on' if share else 'off'}",
-        "-nodefaults",
-        "-no-user-config",
-        "-display",
-        "none",
-        "-kernel",
-        manifest["kernel"],
-        "-append",
-        manifest["cmdline"],
-        "-drive",
-        f"id=root,file={overlay},format=qcow2,if=none",
-        "-device",
-        "virtio-blk-device,drive=root",
-        "-drive",
-        f"id=tools,file={manifest['tools_drive']},format=raw,if=none,readonly=on",
-        "-device",
-        "virtio-blk-device,drive=tools",
-        "-serial",
-        "null",
-        "-qmp",
-        f"unix:{qmp},server=on,wait=off",
-        "-incoming",
-        "defer",
+        *_bare_argv(manifest, workdir, overlay, memory, share),
     ]
-    if manifest.get("initrd"):
-        argv += ["-initrd", manifest["initrd"]]
-    if shape.get("net"):
-        argv += [
-            "-netdev",
-            "tap,id=n0,ifname=tap0,script=no,downscript=no",
-            "-device",
-            "virtio-net-device,netdev=n0,mac=02:fc:00:00:00:05",
-        ]
-    argv += ["-device", balloon]
     log = os.open(workdir / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
     finally:
         os.close(log)
     try:
-        sock, reader, writer = await _qmp(qmp, time.perf_counter() + 10, proc)
+        sock, reader, writer = await _qmp(qmp_socket_path(workdir), time.perf_counter() + 10, proc)
         vm = BareVM(proc, sock, reader, writer, workdir)
         await vm.execute("qmp_capabilities")
         await vm.execute(
@@ -518,8 +519,10 @@ async def bare_restore(
 
 
 def _cleanup_bare(workdir: Path) -> None:
-    for name in ("disk.qcow2", "qmp.sock", "memory.raw", "state.mig"):
-        (workdir / name).unlink(missing_ok=True)
+    """Everything a bare run left in ``workdir`` (overlay, sockets, console, RAM copy)."""
+    for path in workdir.iterdir():
+        if not path.is_dir():
+            path.unlink(missing_ok=True)
 
 
 async def bare_restore_once(snapshot_dir: Path, workdir: Path, netns: str) -> tuple[float, float]:

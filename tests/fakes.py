@@ -351,6 +351,10 @@ class FakeNetwork(NetworkManager):
         if policy.allow_internet:
             self.internet.add(slot)
 
+    async def detach(self, slot: int) -> None:
+        self._check_slot(slot)
+        self._consume("detach")
+
     async def destroy(self, slot: int) -> None:
         self._check_slot(slot)
         self._consume("destroy")

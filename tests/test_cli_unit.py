@@ -183,7 +183,7 @@ def test_template_ls_merges_templates_health_and_snapshots(
     }
     snap = {"snapshotID": "s1", "names": ["named"], "sandboxID": "sb1", "createdAt": None}
     server.routes["GET", "/health"] = lambda _: httpx.Response(200, json=health)
-    server.routes["GET", "/v2/templates"] = lambda _: httpx.Response(200, json=[template])
+    server.routes["GET", "/templates"] = lambda _: httpx.Response(200, json=[template])
     server.routes["GET", "/snapshots"] = lambda _: httpx.Response(200, json=[snap])
     code, out, _ = run(capsys, "template", "ls")
     assert code == 0

@@ -17,28 +17,22 @@ from e2b import PtySize, Sandbox
 
 from agentenv.client import AgentEnv
 from agentenv.cluster.local import LocalCluster
-from tests.helpers import cleanup_host, envelope
+from tests.cluster_support import running_cluster
+from tests.helpers import envelope
 
 pytestmark = pytest.mark.vm
 
 
 @pytest.fixture(scope="module")
 def cluster(test_root: Path, guest_image: None) -> Iterator[LocalCluster]:
-    local = LocalCluster(
+    with running_cluster(
         test_root / "cluster",
         nodes=3,
-        heartbeat_interval=0.5,
         node_timeout=3.0,
         # A commit under TCG on a busy machine may take long; the wait covers it.
         node_env={"AENV_NETWORK_LINGER": "1", "AENV_COMMIT_WAIT": "170"},
-    )
-    try:
-        local.up()
+    ) as local:
         yield local
-    finally:
-        local.down()
-        for index in range(local.nodes):
-            cleanup_host(local.root / local.node_name(index))
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +304,11 @@ def test_a_scheduler_restart_with_redis_loses_no_binding(
     finally:
         for proc in nodes:
             os.kill(proc.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    # Frozen, they went silent and so down; their next heartbeats bring them back.
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        wait_for(
+            lambda: len(cluster.nodes_up(http)) == cluster.nodes, "the nodes to heartbeat again"
+        )
     for sbx in pair:
         assert sbx.commands.run("echo still here").stdout == "still here\n"
 

@@ -5,8 +5,6 @@ gateway's routing against fake nodes."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,61 +14,40 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.api.listing import Order, decode_token
-from agentenv.cluster.bindings import MemoryBindings, RedisBindings
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
 from agentenv.cluster.gateway import Gateway
 from agentenv.cluster.listing import merge_pages, sandbox_key
-from agentenv.cluster.models import NodeReport, NodeState, PlacementRequest
+from agentenv.cluster.models import NodeState, PlacementRequest
 from agentenv.cluster.placement import Candidate, Demand, LeastLoaded
 from agentenv.cluster.registry import NoCapacity, NodeRegistry
 from agentenv.cluster.scheduler import create_scheduler_app
 from agentenv.cluster.scheduler_client import SchedulerClient
+from agentenv.cluster.store import RedisStore
+from tests.cluster_support import (
+    KEY,
+    Clock,
+    ServedApp,
+    echo_node,
+    redis_server,
+    registry,
+    report,
+)
 from tests.helpers import free_port
 
-KEY = "e2b_" + "cd" * 20
 
-
-def report(node_id: str, **fields: Any) -> NodeReport:
-    values: dict[str, Any] = {
-        "nodeID": node_id,
-        "url": f"http://{node_id}.test",
-        "cpuCount": 4,
-        "memoryMib": 4096,
-        "allocatedVcpus": 0,
-        "allocatedMemoryMib": 0,
-        "sandboxVcpus": 2,
-        "sandboxMemoryMib": 512,
-        "templates": ["base"],
-        **fields,
-    }
-    return NodeReport.model_validate(values)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def registry(clock: Clock, store: Any = None, overcommit: float = 1.0) -> NodeRegistry:
-    return NodeRegistry(
-        store or MemoryBindings(),
-        LeastLoaded(overcommit=overcommit),
-        node_timeout=5.0,
-        binding_grace=10.0,
-        clock=clock,
-    )
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with redis_server(tmp_path) as url:
+        yield url
 
 
 # -- placement ----------------------------------------------------------------------------
 def candidate(node_id: str, vcpus: int = 0, memory: int = 0, **fields: Any) -> Candidate:
     from agentenv.cluster.models import NodeInfo
 
-    info = NodeInfo(
-        report=report(node_id, **fields), state=NodeState.UP, lastSeen="2026-01-01T00:00:00Z"
-    )  # type: ignore[arg-type]
+    info = NodeInfo.model_validate(
+        {"report": report(node_id, **fields), "state": "up", "lastSeen": "2026-01-01T00:00:00Z"}
+    )
     return Candidate(info, vcpus, memory)
 
 
@@ -104,7 +81,7 @@ async def test_heartbeats_register_nodes_and_rosters_bind_sandboxes() -> None:
     clock = Clock()
     reg = registry(clock)
     await reg.heartbeat(report("a", sandboxes=["i1", "i2"]))
-    assert [n.node_id for n in reg.nodes()] == ["a"]
+    assert [n.node_id for n in await reg.nodes()] == ["a"]
     binding = await reg.lookup("i1")
     assert binding is not None and binding.node_id == "a" and binding.node is not None
     # A sandbox the node no longer reports is unbound once the grace has passed.
@@ -128,25 +105,25 @@ async def test_reservations_spread_placements_made_between_heartbeats() -> None:
     reg = registry(clock, overcommit=1.0)
     await reg.heartbeat(report("a", cpuCount=2))
     await reg.heartbeat(report("b", cpuCount=2))
-    first_id, first = reg.place(Demand("base"))
-    _, second = reg.place(Demand("base"))
+    first_id, first = await reg.place(Demand("base"))
+    _, second = await reg.place(Demand("base"))
     assert {first.node_id, second.node_id} == {"a", "b"}
     with pytest.raises(NoCapacity):
-        reg.place(Demand("base"))
+        await reg.place(Demand("base"))
     # A failed create gives its room back.
-    reg.release(first_id)
-    assert reg.place(Demand("base"))[1].node_id == first.node_id
+    await reg.release(first_id)
+    assert (await reg.place(Demand("base")))[1].node_id == first.node_id
 
 
 async def test_a_reservation_ends_when_the_roster_shows_the_sandbox() -> None:
     clock = Clock()
     reg = registry(clock)
     await reg.heartbeat(report("a", cpuCount=2))
-    placement_id, _ = reg.place(Demand("base"))
+    placement_id, _ = await reg.place(Demand("base"))
     await reg.bind("i1", "a", placement_id)
-    assert reg.candidates()[0].vcpus == 2
+    assert (await reg.candidates())[0].vcpus == 2
     await reg.heartbeat(report("a", cpuCount=2, sandboxes=["i1"], allocatedVcpus=2))
-    assert reg.candidates()[0].vcpus == 2  # now the node's own count, not twice
+    assert (await reg.candidates())[0].vcpus == 2  # now the node's own count, not twice
 
 
 async def test_silent_nodes_are_marked_down_and_come_back_with_a_heartbeat() -> None:
@@ -157,11 +134,12 @@ async def test_silent_nodes_are_marked_down_and_come_back_with_a_heartbeat() -> 
     clock.now += 3
     await reg.heartbeat(report("b"))
     clock.now += 3
-    assert reg.mark_silent_down() == ["a"]
-    assert reg.node("a").state is NodeState.DOWN  # type: ignore[union-attr]
-    assert [c.node_id for c in reg.candidates()] == ["b"]
+    assert await reg.newly_down() == ["a"]
+    assert await reg.newly_down() == []  # said once
+    assert (await reg.node("a")).state is NodeState.DOWN  # type: ignore[union-attr]
+    assert [c.node_id for c in await reg.candidates()] == ["b"]
     await reg.heartbeat(report("a"))
-    assert reg.node("a").state is NodeState.UP  # type: ignore[union-attr]
+    assert (await reg.node("a")).state is NodeState.UP  # type: ignore[union-attr]
 
 
 async def test_a_restarted_registry_relearns_bindings_from_rosters() -> None:
@@ -174,41 +152,13 @@ async def test_a_restarted_registry_relearns_bindings_from_rosters() -> None:
     assert (await restarted.lookup("i1")).node_id == "a"  # type: ignore[union-attr]
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed (scripts/install installs it)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(100):
-            try:
-                subprocess.run(
-                    ["redis-cli", "-p", str(port), "ping"], check=True, capture_output=True
-                )
-                break
-            except subprocess.CalledProcessError:
-                import time
-
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 async def test_redis_keeps_bindings_and_nodes_across_a_restart(redis_url: str) -> None:
     clock = Clock()
-    reg = registry(clock, RedisBindings(redis_url))
+    reg = registry(clock, RedisStore(redis_url))
     await reg.heartbeat(report("a", sandboxes=["i1"]))
     await reg.bind("i2", "a")
     await reg.store.aclose()
-    restarted = registry(clock, RedisBindings(redis_url))
-    await restarted.load()
+    restarted = registry(clock, RedisStore(redis_url))
     binding = await restarted.lookup("i2")
     assert binding is not None and binding.node is not None
     assert binding.node.report.url == "http://a.test" and binding.node.state is NodeState.UP
@@ -346,7 +296,7 @@ async def test_gateway_lists_across_nodes_with_paging(
     assert "x-aenv-nodes-down" not in page.headers
     reg.clock.now += 60  # type: ignore[attr-defined]
     await reg.heartbeat(report("a", sandboxes=[s["sandboxID"] for s in nodes.sandboxes["a"]]))
-    reg.mark_silent_down()
+    await reg.newly_down()
     partial = await client.get("/v2/sandboxes")
     assert partial.headers["x-aenv-nodes-down"] == "b"
     assert len(partial.json()) == len(nodes.sandboxes["a"])
@@ -366,7 +316,7 @@ async def test_a_sandbox_on_a_dead_node_is_503_node_unavailable(
         assert "node unavailable" in json.loads(answer.content)["message"]
     # Once the scheduler marks it down the answer is the same, without trying the node.
     reg.clock.now += 60  # type: ignore[attr-defined]
-    reg.mark_silent_down()
+    await reg.newly_down()
     answer = await client.get(f"/sandboxes/{sandbox_id}")
     assert answer.status_code == 503 and "stopped heartbeating" in answer.json()["message"]
 
@@ -387,7 +337,7 @@ async def test_gateway_nodes_are_e2b_nodes_and_need_the_key(
     # A down node is described from its last heartbeat, unhealthy.
     reg.clock.now += 60  # type: ignore[attr-defined]
     await reg.heartbeat(report("a"))
-    reg.mark_silent_down()
+    await reg.newly_down()
     down = (await client.get("/nodes/b", headers=auth)).json()
     assert (down["id"], down["status"], down["cachedBuilds"]) == ("b", "unhealthy", ["base"])
     listed = (await client.get("/nodes", headers=auth)).json()
@@ -432,7 +382,7 @@ async def test_an_unreachable_scheduler_is_a_503() -> None:
 
 
 async def test_an_unreachable_redis_is_a_503_from_the_scheduler() -> None:
-    reg = registry(Clock(), RedisBindings(f"redis://127.0.0.1:{free_port()}/0"))
+    reg = registry(Clock(), RedisStore(f"redis://127.0.0.1:{free_port()}/0"))
     app = create_scheduler_app(reg, KEY)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://scheduler.test"
@@ -447,47 +397,6 @@ async def test_an_unreachable_redis_is_a_503_from_the_scheduler() -> None:
 
 
 # -- WebSockets through a served gateway to a served fake node --------------------------------
-class ServedApp:
-    """An ASGI app served by uvicorn on a free port, in a thread, for the block."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-
-    def __enter__(self) -> ServedApp:
-        import threading
-        import time
-
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def echo_node() -> Any:
-    from starlette.applications import Starlette
-    from starlette.routing import WebSocketRoute
-    from starlette.websockets import WebSocket
-
-    async def echo(ws: WebSocket) -> None:
-        await ws.accept()
-        seen = f"{ws.headers.get('host')} {ws.headers.get('e2b-sandbox-id')}"
-        await ws.send_text(seen)
-        async for text in ws.iter_text():
-            await ws.send_text(text.upper())
-
-    return Starlette(routes=[WebSocketRoute("/ws", echo)])
-
-
 def test_websockets_pass_through_the_gateway_both_ways() -> None:
     import asyncio
 
@@ -551,7 +460,7 @@ async def test_gateway_health_is_a_node_health_for_the_cluster(
     assert health.status == "ok" and health.sandboxes == 3 and health.vmm == "qemu"
     reg.clock.now += 60  # type: ignore[attr-defined]
     await reg.heartbeat(report("b"))
-    reg.mark_silent_down()
+    await reg.newly_down()
     degraded = (await client.get("/health")).json()
     assert degraded["status"] == "degraded" and degraded["detail"] == "nodes down: a"
 
@@ -616,13 +525,17 @@ async def test_endpoint_slices_list_ready_nodes_and_vanished_ones_go_down() -> N
     reg = registry(Clock())
     for name, url in (("a", "http://10.0.0.1:8000"), ("b", "http://10.0.0.2:8000")):
         await reg.heartbeat(report(name, url=url))
-    assert reg.follow_discovery(urls) == []
+    assert await reg.follow_discovery(urls) == []
     api.addresses = [("10.0.0.1", True)]  # b's pod is gone
-    assert reg.follow_discovery(await discovery.node_urls()) == ["b"]
-    assert [n.state for n in reg.nodes()] == [NodeState.UP, NodeState.DOWN]
+    assert await reg.follow_discovery(await discovery.node_urls()) == ["b"]
+    assert [n.state for n in await reg.nodes()] == [NodeState.UP, NodeState.DOWN]
     # A node discovery never listed is left to its heartbeats.
     await reg.heartbeat(report("c", url="http://10.0.0.9:8000"))
-    assert reg.follow_discovery({"http://10.0.0.1:8000"}) == []
+    assert await reg.follow_discovery({"http://10.0.0.1:8000"}) == []
+    # Nodes serving TLS report https:// URLs; discovery's http:// ones match by address.
+    await reg.heartbeat(report("b", url="https://10.0.0.2:8000"))
+    assert await reg.follow_discovery({"http://10.0.0.1:8000", "http://10.0.0.2:8000"}) == []
+    assert await reg.follow_discovery({"http://10.0.0.1:8000"}) == ["b"]
 
 
 def test_discovery_specs() -> None:

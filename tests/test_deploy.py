@@ -127,7 +127,8 @@ def test_nodes_are_a_privileged_daemonset_behind_a_headless_service() -> None:
 def test_the_scheduler_discovers_the_node_service_with_the_rbac_it_needs() -> None:
     docs = rendered()
     scheduler = find(docs, "Deployment", "aenv-scheduler")
-    assert scheduler["spec"]["replicas"] == 1
+    # Replicas share everything through Redis (agentenv.cluster.store), so more than one.
+    assert scheduler["spec"]["replicas"] == 2
     args = args_of(scheduler)
     assert args["discovery"] == "kubernetes:agentenv/aenv-node:8000"
     redis = find(docs, "Service", "aenv-redis")

@@ -14,13 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agentenv.api.app import create_app
 from agentenv.api.nodes import NodeBook
-from agentenv.cluster.bindings import MemoryBindings
 from agentenv.cluster.gateway import Gateway
 from agentenv.cluster.heartbeat import node_report
 from agentenv.cluster.placement import LeastLoaded
 from agentenv.cluster.registry import NodeRegistry
 from agentenv.cluster.scheduler import create_scheduler_app
 from agentenv.cluster.scheduler_client import SchedulerClient
+from agentenv.cluster.store import MemoryStore
 from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
 pytestmark = pytest.mark.skipif(
@@ -111,7 +111,7 @@ async def test_metrics_need_the_key_and_count_what_the_node_did(api: httpx.Async
 async def test_a_heartbeat_carries_the_node_as_the_gateway_lists_it(node: Node) -> None:
     """A real node's report (its E2B description with datetimes) over HTTP to a
     scheduler, and the gateway's /nodes listing it."""
-    registry = NodeRegistry(MemoryBindings(), LeastLoaded(overcommit=4.0))
+    registry = NodeRegistry(MemoryStore(), LeastLoaded(overcommit=4.0))
     scheduler_app = create_scheduler_app(registry, API_KEY)
     transport = httpx.ASGITransport(app=scheduler_app)
     scheduler = SchedulerClient("http://scheduler.test", API_KEY, transport=transport)

@@ -9,10 +9,12 @@ import shutil
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agentenv.config import Config
+from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.errors import (
     Conflict,
     OperationFailed,
@@ -222,6 +224,36 @@ async def test_create_pause_resume_kill(tmp_path: Path, sandbox_memory: str) -> 
         await node.stop()
 
 
+async def test_kill_keeps_the_slot_until_its_network_is_gone(node: Node) -> None:
+    """A kill answers before the network's removal finishes (the kernel's veth deletion
+    is slow), but no sandbox is given that slot until it has; then the slot is free."""
+    orch = node.orchestrator
+    first = await orch.create(FAKE_TEMPLATE)
+    slot = first.record.slot
+    removing = asyncio.Event()
+    removed = asyncio.Event()
+    real_destroy = node.network.destroy
+
+    async def slow_destroy(s: int) -> None:
+        removing.set()
+        await removed.wait()
+        await real_destroy(s)
+
+    node.network.destroy = slow_destroy  # type: ignore[method-assign,assignment]
+    await orch.kill(first.sandbox_id)
+    await asyncio.wait_for(removing.wait(), 10)
+    assert slot in node.network.live, "still being removed"
+    second = await orch.create(FAKE_TEMPLATE)
+    assert second.record.slot != slot
+    removed.set()
+    await orch._slots.drain()
+    assert slot not in node.network.live
+    third = await orch.create(FAKE_TEMPLATE)
+    assert third.record.slot == slot
+    for view in (second, third):
+        await orch.kill(view.sandbox_id)
+
+
 async def test_kill_stops_a_resumes_envd_init(node: Node) -> None:
     # A resumed guest whose envd never answers: its /init retries in the background
     # until the sandbox is killed, then stops at once instead of running out its time.
@@ -339,6 +371,52 @@ async def test_fork_children_of_a_guest_that_reports_free_pages_get_ram_of_their
         assert grandchild.record.memory_mode == "shared"
     finally:
         await node.stop()
+
+
+async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A create with ``envd_in_background`` answers before envd's /init; traffic, pause,
+    snapshot and fork wait for it; a sandbox whose first /init failed takes no traffic
+    (its envd has no token yet) and can still be killed."""
+    orch = node.orchestrator
+    view = await orch.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
+    sandbox_id = view.sandbox_id
+    assert orch.get(sandbox_id).state == "running"
+    ready = await orch.ready_for_traffic(sandbox_id)
+    (init,) = node.envd.inits(view.guest_address)
+    assert init.json()["accessToken"] == ready.record.envd_token
+    assert orch._lifecycle.settling(sandbox_id) is None
+    paused = await orch.pause(sandbox_id)
+    assert paused.state == "paused"
+    await orch.kill(sandbox_id)
+
+    # An operation right after the create waits for the /init, not beside it.
+    gate = asyncio.Event()
+    real_init = envd_client.init
+
+    async def gated_init(*args: Any, **kwargs: Any) -> None:
+        await gate.wait()
+        await real_init(*args, **kwargs)
+
+    monkeypatch.setattr(envd_client, "init", gated_init)
+    inits_before = len(node.envd.inits())
+    second = await orch.create(FAKE_TEMPLATE, envd_in_background=True)
+    assert orch._lifecycle.settling(second.sandbox_id) is not None
+    snapshotting = asyncio.ensure_future(orch.snapshot(second.sandbox_id, "after-init"))
+    await asyncio.sleep(0.2)
+    assert not snapshotting.done() and len(node.envd.inits()) == inits_before
+    gate.set()
+    await snapshotting
+    assert len(node.envd.inits()) == inits_before + 1
+    assert orch._lifecycle.settling(second.sandbox_id) is None
+    await orch.kill(second.sandbox_id)
+    monkeypatch.setattr(envd_client, "init", real_init)
+
+    node.envd.init_status = 500
+    broken = await orch.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
+    with pytest.raises(OperationFailed, match="envd /init failed"):
+        await orch.ready_for_traffic(broken.sandbox_id)
+    await orch.kill(broken.sandbox_id)
+    assert orch.store.get_sandbox(broken.sandbox_id) is None
 
 
 # -- rollbacks --------------------------------------------------------------------------------

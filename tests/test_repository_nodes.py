@@ -1,10 +1,12 @@
 """Two node servers with separate data directories sharing one snapshot repository
 (a posix directory, then S3): paused sandboxes move between them with their files and
 processes, snapshots taken on one start sandboxes on the other, deletions are seen by
-both; an S3 server that is down or a server killed mid-commit loses nothing."""
+both, volumes follow their writer; an S3 server that is down or a server killed
+mid-commit loses nothing."""
 
 from __future__ import annotations
 
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -12,7 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from e2b import Sandbox, Volume
+from e2b.exceptions import SandboxException, VolumeException
 
+from tests.e2b.support import sdk_opts
 from tests.helpers import COUNTER, ServerProcess, create_sandbox_id, live_server, run_command
 from tests.s3server import S3Server, start_s3_server
 
@@ -287,3 +292,40 @@ def test_repository_unreachable_on_create_from_unknown_name(
         r = c.post("/sandboxes", json={"templateID": "base"})
         assert r.status_code == 201, r.text
         assert httpx.get(f"{node.url}/health").json()["status"] == "ok"
+
+
+def test_a_volume_follows_its_writer_across_nodes(
+    nodes: tuple[ServerProcess, ServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A volume lives in the repository: made and written on one node, mounted by a
+    sandbox on the other; while that sandbox holds it the first node answers 409 naming
+    the writer's node, and once it is killed the first node sees what it wrote."""
+    a, b = nodes
+    name = f"roaming-{secrets.token_hex(4)}"
+    monkeypatch.setenv("E2B_VOLUME_API_URL", a.url)
+    vol = Volume.create(name, **sdk_opts(a))
+    vol.write_file("/from-a.txt", "written on a")
+    sandbox = Sandbox.create(timeout=300, volume_mounts={"/data": name}, **sdk_opts(b))
+    try:
+        assert sandbox.commands.run("cat /data/from-a.txt").stdout == "written on a"
+        sandbox.commands.run("echo from-b > /data/from-b.txt")
+        with pytest.raises(SandboxException, match="writer on node b"):
+            Sandbox.create(timeout=60, volume_mounts={"/data": name}, **sdk_opts(a))
+        with pytest.raises(VolumeException, match="writer on node b"):
+            vol.read_file("/from-a.txt")
+        with pytest.raises(VolumeException):
+            Volume.destroy(vol.volume_id, **sdk_opts(a))
+        monkeypatch.setenv("E2B_VOLUME_API_URL", b.url)  # b serves it from its guest
+        assert Volume.connect(vol.volume_id, **sdk_opts(b)).read_file("/from-b.txt") == "from-b\n"
+    finally:
+        sandbox.kill()
+    monkeypatch.setenv("E2B_VOLUME_API_URL", a.url)
+
+    def published() -> bool:
+        try:
+            return vol.read_file("/from-b.txt") == "from-b\n"
+        except VolumeException:  # b still publishing: its claim is held until then
+            return False
+
+    wait_for(published, what="b to publish the volume")
+    assert Volume.destroy(vol.volume_id, **sdk_opts(a)) is True

@@ -369,3 +369,99 @@ async def test_deleting_a_template_by_name_and_tag_deletes_all_of_it(
     assert (await api.delete(f"/templates/{only}")).status_code == 204
     assert await started_from(api, "kept") == kept
     assert tags_of(await api.get("/templates/kept/tags")) == {"default": kept}
+
+
+@needs_qemu_img
+async def test_a_template_is_listed_once_whatever_its_builds(
+    nodes: tuple[Node, Node], api: httpx.AsyncClient, other_api: httpx.AsyncClient
+) -> None:
+    first = await build(nodes[0], "listed", ["default"])
+    second = await build(nodes[0], "listed", ["v2"])
+    only_tagged = await build(nodes[0], "tagonly", ["v1"])
+
+    def ours(listing: httpx.Response, name: str) -> list[dict[str, Any]]:
+        assert listing.status_code == 200, listing.text
+        return [t for t in listing.json() if name in t["names"]]
+
+    for client in (api, other_api):
+        for route in ("/v2/templates", "/templates"):
+            (entry,) = ours(await client.get(route), "listed")
+            # The name's entry is the build the name starts.
+            assert entry["templateID"] == first and entry["buildID"] == first
+            assert entry["buildCount"] == 2 and entry["aliases"] == ["listed"]
+            (tagged,) = ours(await client.get(route), "tagonly")
+            assert tagged["templateID"] == only_tagged and tagged["names"] == ["tagonly"]
+    # Moving the default tag moves the entry; the look-up lists every build.
+    moved = await api.post("/templates/tags", json={"target": "listed:v2", "tags": ["default"]})
+    assert moved.status_code == 201, moved.text
+    (entry,) = ours(await other_api.get("/v2/templates"), "listed")
+    assert entry["templateID"] == second
+    detail = (await api.get("/templates/listed")).json()
+    assert detail["templateID"] == second
+    assert {b["buildID"] for b in detail["builds"]} == {first, second}
+    assert (await api.get(f"/templates/listed:{first}")).json()["templateID"] == first
+    # Pages: limit and nextToken walk every template once.
+    seen: list[str] = []
+    token: str | None = None
+    while True:
+        params: dict[str, Any] = {"limit": 1, **({"nextToken": token} if token else {})}
+        got = await api.get("/v2/templates", params=params)
+        assert got.status_code == 200, got.text
+        seen += [t["templateID"] for t in got.json()]
+        token = got.headers.get("x-next-token")
+        if token is None:
+            break
+    everything = [t["templateID"] for t in (await api.get("/v2/templates")).json()]
+    assert seen == everything and len(set(seen)) == len(seen)
+
+
+@needs_qemu_img
+async def test_tag_count_exists_groups_and_assignments(
+    nodes: tuple[Node, Node], api: httpx.AsyncClient
+) -> None:
+    first = await build(nodes[0], "hist", ["default"])
+    second = await build(nodes[0], "hist", ["v2", "canary"])
+    count = await api.get("/templates/hist/tags/count")
+    assert count.json() == {"total": 3}
+    assert (await api.get(f"/templates/{second}/tags/count")).json() == {"total": 3}
+    exists = await api.get("/templates/hist/tags/exists", params={"tag": " V2 "})
+    assert exists.json() == {"exists": True, "normalizedTag": "v2"}
+    missing = await api.get("/templates/hist/tags/exists", params={"tag": "nope"})
+    assert missing.json() == {"exists": False, "normalizedTag": "nope"}
+    status_of(await api.get("/templates/hist/tags/exists", params={"tag": "a b"}), 400)
+
+    groups = await api.get("/templates/hist/tags/groups", params={"sort": "name_asc"})
+    assert groups.status_code == 200, groups.text
+    body = groups.json()
+    assert [g["tag"] for g in body["tags"]] == ["canary", "default", "v2"]
+    assert body["nextCursor"] is None
+    by_tag = {g["tag"]: g["assignments"] for g in body["tags"]}
+    assert by_tag["default"][0]["buildId"] == first
+    assert by_tag["v2"][0]["buildId"] == second and not body["tags"][0]["hasMore"]
+    # Pages of one tag, name descending, then a search.
+    walked: list[str] = []
+    cursor: str | None = None
+    while True:
+        params: dict[str, Any] = {"sort": "name_desc", "tagsLimit": 1}
+        if cursor:
+            params["tagsCursor"] = cursor
+        got = (await api.get("/templates/hist/tags/groups", params=params)).json()
+        walked += [g["tag"] for g in got["tags"]]
+        cursor = got["nextCursor"]
+        if cursor is None:
+            break
+    assert walked == ["v2", "default", "canary"]
+    searched = await api.get("/templates/hist/tags/groups", params={"search": "CAN"})
+    assert [g["tag"] for g in searched.json()["tags"]] == ["canary"]
+    bad = await api.get("/templates/hist/tags/groups", params={"tagsCursor": "x", "sort": "x"})
+    assert bad.status_code == 400, bad.text
+
+    assignments = await api.get("/templates/hist/tags/canary/assignments")
+    assert assignments.status_code == 200, assignments.text
+    (event,) = assignments.json()["data"]
+    assert event["buildId"] == second and assignments.json()["nextCursor"] is None
+    # An unknown tag, or template, is a 404 on every route.
+    status_of(await api.get("/templates/hist/tags/nope/assignments"), 404)
+    for route in ("tags", "tags/count", "tags/groups", "tags/v1/assignments"):
+        status_of(await api.get(f"/templates/nowhere/{route}"), 404)
+    status_of(await api.get("/templates/nowhere/tags/exists", params={"tag": "v1"}), 404)

@@ -17,6 +17,16 @@ from typing import Any
 import httpx
 import pytest
 from e2b import AsyncSandbox, AsyncTemplate, Sandbox, Template, wait_for_file, wait_for_timeout
+from e2b.api import client_async, client_sync
+from e2b.api.client.api.tags import (
+    get_templates_template_id_tags_count,
+    get_templates_template_id_tags_exists,
+    get_templates_template_id_tags_groups,
+    get_templates_template_id_tags_tag_assignments,
+)
+from e2b.api.client.api.templates import get_templates, get_v2_templates
+from e2b.api.client.models import Template as ListedTemplate
+from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import BuildException, SandboxException, TemplateException
 from e2b.template.main import TemplateClass
 
@@ -205,6 +215,32 @@ def test_tags_with_the_sync_sdk(node: ServerProcess) -> None:
     second = Template.build(layer("two"), "tagged:V2", tags=["canary"], **opts)
     assert sorted(second.tags) == ["canary", "v2"]
 
+    # Listed once (v1 and v2 listings), as the build the name starts; the SDK's own
+    # API client parses every entry, and the tag count and history routes.
+    api = client_sync.get_api_client(ConnectionConfig(**opts))
+    for listed in (get_v2_templates.sync(client=api), get_templates.sync(client=api)):
+        assert isinstance(listed, list)
+        ours = [t for t in listed if isinstance(t, ListedTemplate) and "tagged" in t.names]
+        assert len(ours) == 1, listed
+        assert ours[0].template_id == first.template_id and ours[0].build_count == 2
+    count = get_templates_template_id_tags_count.sync("tagged", client=api)
+    assert count is not None and getattr(count, "total", None) == 3
+    exists = get_templates_template_id_tags_exists.sync("tagged", client=api, tag="Canary")
+    assert getattr(exists, "exists", None) is True
+    assert getattr(exists, "normalized_tag", None) == "canary"
+    groups = get_templates_template_id_tags_groups.sync("tagged", client=api)
+    assert {g.tag: str(g.assignments[0].build_id) for g in getattr(groups, "tags", [])} == {
+        "default": first.build_id,
+        "v2": second.build_id,
+        "canary": second.build_id,
+    }
+    history = get_templates_template_id_tags_tag_assignments.sync("tagged", "v2", client=api)
+    assert [str(a.build_id) for a in getattr(history, "data", [])] == [second.build_id]
+    unknown = get_templates_template_id_tags_tag_assignments.sync_detailed(
+        "tagged", "nope", client=api
+    )
+    assert unknown.status_code == 404
+
     def which(template: str) -> str:
         sandbox = Sandbox.create(template=template, timeout=120, **sdk_opts(node))
         try:
@@ -253,8 +289,19 @@ async def test_tags_with_the_async_sdk(node: ServerProcess) -> None:
         assert (await sandbox.commands.run("cat /home/user/which")).stdout == "async\n"
     finally:
         await sandbox.kill()
+    api = client_async.get_api_client(ConnectionConfig(**opts))
+    listed = await get_v2_templates.asyncio(client=api)
+    assert isinstance(listed, list)
+    (ours,) = [t for t in listed if isinstance(t, ListedTemplate) and "atagged" in t.names]
+    assert ours.template_id == built.template_id  # no default build: its only one
     assigned = await AsyncTemplate.assign_tags("atagged:v1", "default", **opts)
     assert assigned.build_id == built.build_id
+    count = await get_templates_template_id_tags_count.asyncio("atagged", client=api)
+    assert getattr(count, "total", None) == 2
+    missing = await get_templates_template_id_tags_exists.asyncio("atagged", client=api, tag="v9")
+    assert getattr(missing, "exists", None) is False
+    gone = await get_templates_template_id_tags_count.asyncio_detailed("nowhere", client=api)
+    assert gone.status_code == 404
     tags = {t.tag: t.build_id for t in await AsyncTemplate.get_tags("atagged", **opts)}
     assert tags == {"default": built.build_id, "v1": built.build_id}
     await AsyncTemplate.remove_tags("atagged", "v1", **opts)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from agentenv.orchestrator.errors import Conflict, InvalidRequest, VolumeNotFound
-from agentenv.orchestrator.volumes import Requested
+from agentenv.orchestrator.records import VolumeEntry
+from agentenv.orchestrator.volumes import Requested, Volumes
 from agentenv.storage.volumes import (
     VOLUME_BYTES,
     MountedVolume,
@@ -143,3 +145,59 @@ async def test_the_host_reads_images_in_userspace(tmp_path: Path) -> None:
     assert shown.stdout == "42\n"
     check = await asyncio.to_thread(_tool, "e2fsck", "-fn", str(image))
     assert check.returncode == 0, check.stdout
+
+
+def test_a_volume_moves_between_nodes_through_the_repository(tmp_path: Path) -> None:
+    """Two nodes sharing a repository: a volume made on one is written on the other
+    (its image published when let go, fetched by the next writer), and while one node
+    holds it the other answers 409 naming that node."""
+
+    async def write(volumes: Volumes, vol: VolumeEntry, path: str, text: str) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            yield text.encode()
+
+        async with volumes.files(vol.id, vol.token) as files:
+            await files.write(path, body(), None, None, None, force=True)
+
+    async def read(volumes: Volumes, vol: VolumeEntry, path: str) -> str:
+        async with volumes.files(vol.id, vol.token) as files:
+            _, chunks = await files.read(path)
+            return b"".join([c async for c in chunks]).decode()
+
+    async def main() -> None:
+        a = await start_node(tmp_path / "a", tmp_path / "repo", template=False)
+        b = await start_node(tmp_path / "b", tmp_path / "repo", node_id="node-b", template=False)
+        va, vb = a.orchestrator.volumes, b.orchestrator.volumes
+        try:
+            vol = await va.create("shared")
+            await write(va, vol, "/from-a.txt", "written on a")
+            # b fetches the image a published, writes, and publishes its own.
+            assert await read(vb, vol, "/from-a.txt") == "written on a"
+            await write(vb, vol, "/from-b.txt", "written on b")
+            assert await read(va, vol, "/from-b.txt") == "written on b"
+
+            # A sandbox on b holds it: a's mounts, content API and destroy are 409.
+            await vb.hold("sb", [Requested("shared", "/data")], slots=3)
+            for refused in (
+                va.hold("sa", [Requested("shared", "/data")], slots=3),
+                read(va, vol, "/from-a.txt"),
+                va.destroy(vol.id),
+            ):
+                with pytest.raises(Conflict, match="writer on node node-b"):
+                    await refused
+            vb.release("sb")
+            await vb.drain()
+            record = await va.get(vol.id)
+            assert record.node == "" and "image" in record.blobs  # published again
+            mounts = await va.hold("sa", [Requested("shared", "/data")], slots=3)
+            assert [m.volume_id for m in mounts] == [vol.id]
+            va.release("sa")
+            await va.drain()
+            await vb.destroy(vol.id)
+            with pytest.raises(VolumeNotFound):
+                await va.get(vol.id)
+        finally:
+            await b.orchestrator.shutdown()
+            await a.orchestrator.shutdown()
+
+    asyncio.run(main())

@@ -55,6 +55,8 @@ from agentenv.api.nodes import NodeBook, node_routes
 from agentenv.api.params import SandboxId, TemplateRef
 from agentenv.api.secrets import secret_routes
 from agentenv.api.telemetry import NodeTelemetry
+from agentenv.api.template_listing import template_listing_routes
+from agentenv.api.template_tags import template_tag_routes
 from agentenv.api.templates import UPLOAD_PATH, template_routes
 from agentenv.api.volumes import VOLUME_UPLOAD_PATH, volume_routes
 from agentenv.cluster.heartbeat import Heartbeat
@@ -158,6 +160,9 @@ def create_app(
 
     authed = [Depends(require_api_key)]
     app.include_router(template_routes(orchestrator, builds, api_key, authed))
+    app.include_router(template_tag_routes(orchestrator, authed))
+    # After the routes under /templates/{id}/...: its {id:ref} would match their paths.
+    app.include_router(template_listing_routes(orchestrator, builds, authed))
     app.include_router(node_routes(book, authed))
     app.include_router(secret_routes(orchestrator, authed))
     app.include_router(volume_routes(orchestrator, authed))
@@ -268,6 +273,8 @@ def create_app(
                 auto_pause=body.auto_pause,
                 auto_resume=body.auto_resume is not None and body.auto_resume.enabled,
                 volume_mounts=[Requested(m.name, m.path) for m in body.volume_mounts],
+                # Clients reach envd through the proxy, which waits for its /init.
+                envd_in_background=True,
             )
             view = await telemetry.timed("create", started)
             return sandbox_body(view)

@@ -568,7 +568,8 @@ class TemplateBuildSummary(BaseModel):
 
 
 class TemplateInfo(BaseModel):
-    """An item of ``GET /v2/templates``; with ``builds`` for ``GET /templates/{id}``."""
+    """An item of ``GET /v2/templates`` (E2B's ``Template``: ``createdBy`` and
+    ``lastSpawnedAt`` are required, null here)."""
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -588,7 +589,12 @@ class TemplateInfo(BaseModel):
     build_count: int = Field(default=1, alias="buildCount")
     envd_version: str = Field(alias="envdVersion")
     build_status: Literal["waiting", "building", "ready", "error"] = Field(alias="buildStatus")
-    builds: list[TemplateBuildSummary] | None = None
+
+
+class TemplateWithBuilds(TemplateInfo):
+    """``GET /templates/{id}``: the template with its builds, newest first."""
+
+    builds: list[TemplateBuildSummary]
 
 
 class AssignTemplateTagsRequest(BaseModel):

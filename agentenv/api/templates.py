@@ -1,7 +1,7 @@
-"""E2B's template API: register a build, upload COPY sources, start the build, poll its
-status and logs, list, look up and resolve templates, and assign, remove and list their
-tags (:mod:`agentenv.orchestrator.tags`). Deleting a template is in ``app.py``
-(snapshots are deleted through the same route).
+"""E2B's template build API: register a build, upload COPY sources, start the build, poll
+its status and logs, and resolve a name (``/templates/aliases/{alias}``). Listings and
+look-ups are :mod:`agentenv.api.template_listing`, tags :mod:`agentenv.api.template_tags`;
+deleting a template is in ``app.py`` (snapshots are deleted through the same route).
 
 Upload links carry a token (an HMAC of the template id and files hash under the node's
 API key), because the SDK sends the upload without its API key.
@@ -9,12 +9,11 @@ API key), because the SDK sends the upload without its API key.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import os
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -22,24 +21,18 @@ from fastapi.params import Depends
 
 from agentenv.api.errors import ApiError, error_responses
 from agentenv.api.models import (
-    AssignedTemplateTags,
-    AssignTemplateTagsRequest,
     BuildLogEntry,
     BuildStatusReason,
-    DeleteTemplateTagsRequest,
     TemplateAliasResponse,
     TemplateBuildInfo,
     TemplateBuildRequest,
-    TemplateBuildSummary,
     TemplateFileUpload,
-    TemplateInfo,
     TemplateRequestResponse,
-    TemplateTag,
 )
 from agentenv.api.params import BuildRecordId, FilesHash, TemplateRef
 from agentenv.limits import MAX_PAGE_SIZE, MAX_TOKEN_LENGTH
 from agentenv.orchestrator.build_plan import PlanError, parse_build
-from agentenv.orchestrator.builds import Build, BuildManager
+from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
     InvalidRequest,
@@ -49,7 +42,6 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.tags import DEFAULT_TAG, normalize_tags, split_name
 from agentenv.orchestrator.templates import BUILTIN_TEMPLATES
-from agentenv.orchestrator.views import SnapshotView
 
 LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
 # Where the SDK uploads a COPY step's files: with an upload token instead of the API key,
@@ -99,46 +91,6 @@ def template_routes(
             aliases=[name],
             tags=tags,
         )
-
-    @router.post(
-        "/templates/tags",
-        status_code=201,
-        response_model=AssignedTemplateTags,
-        response_model_by_alias=True,
-        dependencies=list(authed),
-    )
-    async def assign_tags(body: AssignTemplateTagsRequest) -> AssignedTemplateTags:
-        """Point ``tags`` at the build ``target`` (``name:tag``, or ``name`` for its
-        default tag) names; 404 when it names none."""
-        name = body.target.partition(":")[0]
-        if name in BUILTIN_TEMPLATES:
-            raise Conflict(f"{name!r} is built in and takes no tags")
-        # "name:tag" must mean one thing: a snapshot's name, or this tag.
-        await not_snapshots([f"{name}:{tag}" for tag in normalize_tags(body.tags)])
-        build_id, tags = await orchestrator.tags.assign(body.target, body.tags)
-        return AssignedTemplateTags(tags=tags, buildID=build_id)
-
-    @router.delete("/templates/tags", status_code=204, dependencies=list(authed))
-    async def remove_tags(body: DeleteTemplateTagsRequest) -> Response:
-        """Remove ``tags`` from template ``name``: all of them or, when it lacks one, none
-        (404 naming it). ``default`` cannot be removed (400)."""
-        await orchestrator.tags.remove(body.name, body.tags)
-        return Response(status_code=204)
-
-    @router.get(
-        "/templates/{template_id:ref}/tags",
-        response_model=list[TemplateTag],
-        response_model_by_alias=True,
-        dependencies=list(authed),
-    )
-    async def list_tags(template_id: TemplateRef) -> list[TemplateTag]:
-        """The tags of the template a name, ``name:tag`` or build id refers to."""
-        if template_id in BUILTIN_TEMPLATES:
-            return []
-        return [
-            TemplateTag(tag=v.tag, buildID=v.build_id, createdAt=v.assigned_at)
-            for v in await orchestrator.tags.listing(template_id)
-        ]
 
     @router.get(
         "/templates/{template_id}/files/{files_hash}",
@@ -259,49 +211,6 @@ def template_routes(
             reason=reason,
         )
 
-    async def template_infos() -> list[TemplateInfo]:
-        infos: dict[str, TemplateInfo] = {}
-        for builtin in BUILTIN_TEMPLATES:
-            base = orchestrator.store.get_template(builtin)
-            if base is None:
-                continue
-            infos[builtin] = TemplateInfo(
-                templateID=builtin,
-                buildID=base.build_id,
-                cpuCount=base.vcpus,
-                memoryMB=base.memory_mib,
-                diskSizeMB=base.disk_size_mib,
-                aliases=[builtin],
-                names=[builtin],
-                createdAt=base.created_at,
-                updatedAt=base.created_at,
-                envdVersion=base.envd_version,
-                buildStatus="ready",
-            )
-        committed = await orchestrator.list_snapshots(type_="template")
-        for view in committed:
-            infos[view.snapshot_id] = _snapshot_info(view)
-        names = {n for info in infos.values() for n in info.names}
-        for build in builds.builds():
-            if build.template_id in infos or build.status == "ready":
-                continue
-            if build.status == "error" and build.name in names:
-                continue
-            infos[build.template_id] = _build_info(build)
-        return sorted(infos.values(), key=lambda i: (i.created_at, i.template_id))
-
-    list_route: dict[str, Any] = {
-        "response_model": list[TemplateInfo],
-        "response_model_by_alias": True,
-        "response_model_exclude_none": True,
-        "dependencies": list(authed),
-    }
-
-    @router.get("/templates", **list_route)
-    @router.get("/v2/templates", **list_route)
-    async def list_templates() -> list[TemplateInfo]:
-        return await template_infos()
-
     @router.get(
         "/templates/aliases/{alias}",
         response_model=TemplateAliasResponse,
@@ -322,37 +231,6 @@ def template_routes(
             return TemplateAliasResponse(templateID=latest.build_id)
         return TemplateAliasResponse(templateID=view.snapshot_id)
 
-    @router.get(
-        "/templates/{template_id}",
-        response_model=TemplateInfo,
-        response_model_by_alias=True,
-        response_model_exclude_none=True,
-        dependencies=list(authed),
-    )
-    async def get_template(template_id: TemplateRef) -> TemplateInfo:
-        # A name (or name:tag) means the build it starts now, not an older one of it.
-        wanted = template_id
-        if template_id not in BUILTIN_TEMPLATES:
-            with contextlib.suppress(SnapshotNotFound):
-                wanted = (await orchestrator.get_snapshot(template_id, "template")).snapshot_id
-        infos = await template_infos()
-        by_id = [i for i in infos if i.template_id == wanted]
-        found = by_id or [i for i in infos if template_id in i.names]
-        if found:
-            info = found[0]
-            summary = TemplateBuildSummary(
-                buildID=info.build_id,
-                status=info.build_status,
-                createdAt=info.created_at,
-                updatedAt=info.updated_at,
-                cpuCount=info.cpu_count,
-                memoryMB=info.memory_mb,
-                diskSizeMB=info.disk_size_mb,
-                envdVersion=info.envd_version,
-            )
-            return info.model_copy(update={"builds": [summary]})
-        raise TemplateAliasNotFound(template_id)
-
     return router
 
 
@@ -362,38 +240,4 @@ def _entry(timestamp: datetime, level: str, message: str, step: str | None) -> B
         level=level if level in LEVELS else "info",  # type: ignore[arg-type]
         message=message,
         step=step,
-    )
-
-
-def _snapshot_info(view: SnapshotView) -> TemplateInfo:
-    rec = view.record
-    meta = rec.metadata
-    return TemplateInfo(
-        templateID=rec.snapshot_id,
-        buildID=meta.get("buildID", rec.snapshot_id),
-        cpuCount=int(meta.get("cpuCount", "0") or 0),
-        memoryMB=int(meta.get("memoryMB", "0") or 0),
-        diskSizeMB=int(meta.get("diskSizeMB", "0") or 0),
-        aliases=view.names,
-        names=view.names,
-        createdAt=rec.created_at,
-        updatedAt=rec.created_at,
-        envdVersion=meta.get("envdVersion", ""),
-        buildStatus="ready",
-    )
-
-
-def _build_info(build: Build) -> TemplateInfo:
-    return TemplateInfo(
-        templateID=build.template_id,
-        buildID=build.build_id,
-        cpuCount=build.cpu_count,
-        memoryMB=build.memory_mb,
-        diskSizeMB=0,
-        aliases=[build.name],
-        names=[build.name],
-        createdAt=build.created_at,
-        updatedAt=build.updated_at or datetime.now(UTC),
-        envdVersion="",
-        buildStatus=build.status,  # type: ignore[arg-type]
     )

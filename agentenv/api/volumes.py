@@ -1,16 +1,14 @@
 """E2B's volume API (``/volumes``, the API key) and volume content API
 (``/volumecontent/{id}/...``, the volume's own token as ``Authorization: Bearer``), which
 the SDK reaches at ``E2B_VOLUME_API_URL``. What a volume is and who may hold it:
-:mod:`agentenv.orchestrator.volumes`."""
+:mod:`agentenv.orchestrator.volumes`; where the content API finds its files (the host's
+image, or the guest of the running sandbox that mounts it):
+:mod:`agentenv.orchestrator.volume_content`."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
-import secrets
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -26,7 +24,8 @@ from agentenv.api.models import (
 )
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.orchestrator.records import VolumeEntry
-from agentenv.storage.volumes import Entry, MountedVolume, VolumePathError, read_chunks
+from agentenv.orchestrator.volume_content import VolumeFiles
+from agentenv.storage.volumes import Entry, VolumePathError
 
 #: Content uploads stream (no body bound).
 VOLUME_UPLOAD_PATH = r"^/volumecontent/[^/]+/file$"
@@ -83,17 +82,17 @@ def volume_routes(orchestrator: Orchestrator, authed: Sequence[Any]) -> APIRoute
 
     # -- content -----------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def files(volume_id: str, authorization: str | None) -> AsyncIterator[MountedVolume]:
-        async with volumes.files(volume_id, _bearer(authorization)) as mounted:
+    async def files(volume_id: str, authorization: str | None) -> AsyncIterator[VolumeFiles]:
+        async with volumes.files(volume_id, _bearer(authorization)) as found:
             try:
-                yield mounted
+                yield found
             except VolumePathError as exc:
                 raise _path_error(exc) from exc
 
     @router.get("/volumecontent/{volume_id}/path", response_model=VolumeEntryStat)
     async def stat_path(volume_id: str, path: VolumePath, authorization: Auth = None) -> Any:
         async with files(volume_id, authorization) as vol:
-            return _stat(await asyncio.to_thread(vol.entry, path))
+            return _stat(await vol.entry(path))
 
     @router.get("/volumecontent/{volume_id}/dir", response_model=list[VolumeEntryStat])
     async def list_dir(
@@ -103,7 +102,7 @@ def volume_routes(orchestrator: Orchestrator, authed: Sequence[Any]) -> APIRoute
         authorization: Auth = None,
     ) -> Any:
         async with files(volume_id, authorization) as vol:
-            return [_stat(e) for e in await asyncio.to_thread(vol.listing, path, depth)]
+            return [_stat(e) for e in await vol.listing(path, depth)]
 
     @router.post("/volumecontent/{volume_id}/dir", status_code=201, response_model=VolumeEntryStat)
     async def make_dir(
@@ -116,7 +115,7 @@ def volume_routes(orchestrator: Orchestrator, authed: Sequence[Any]) -> APIRoute
         authorization: Auth = None,
     ) -> Any:
         async with files(volume_id, authorization) as vol:
-            return _stat(await asyncio.to_thread(vol.make_dir, path, uid, gid, mode, force=force))
+            return _stat(await vol.make_dir(path, uid, gid, mode, force=force))
 
     @router.put("/volumecontent/{volume_id}/file", status_code=201, response_model=VolumeEntryStat)
     async def write_file(
@@ -130,24 +129,14 @@ def volume_routes(orchestrator: Orchestrator, authed: Sequence[Any]) -> APIRoute
         authorization: Auth = None,
     ) -> Any:
         async with files(volume_id, authorization) as vol:
-            clean, local = await asyncio.to_thread(vol.open_for_write, path, force=force)
-            partial = local.with_name(f".{local.name}.{secrets.token_hex(4)}.partial")
-            try:
-                await _receive(request, partial)
-                entry = await asyncio.to_thread(
-                    vol.finish_write, clean, local, partial, uid, gid, mode
-                )
-            finally:
-                partial.unlink(missing_ok=True)
-            return _stat(entry)
+            return _stat(await vol.write(path, request.stream(), uid, gid, mode, force=force))
 
     @router.get("/volumecontent/{volume_id}/file")
     async def read_file(volume_id: str, path: VolumePath, authorization: Auth = None) -> Any:
         stack = contextlib.AsyncExitStack()
         vol = await stack.enter_async_context(files(volume_id, authorization))
         try:
-            local = await asyncio.to_thread(vol.read_path, path)
-            size = local.stat().st_size
+            size, chunks = await vol.read(path)
         except VolumePathError as exc:
             await stack.aclose()
             raise _path_error(exc) from exc
@@ -157,20 +146,19 @@ def volume_routes(orchestrator: Orchestrator, authed: Sequence[Any]) -> APIRoute
 
         async def body() -> AsyncIterator[bytes]:
             async with stack:
-                chunks = read_chunks(local)
-                while chunk := await asyncio.to_thread(next, chunks, b""):
+                async for chunk in chunks:
                     yield chunk
 
         return StreamingResponse(
             body(),
             media_type="application/octet-stream",
-            headers={"Content-Length": str(size)},
+            headers={} if size is None else {"Content-Length": str(size)},
         )
 
     @router.delete("/volumecontent/{volume_id}/path", status_code=204)
     async def remove_path(volume_id: str, path: VolumePath, authorization: Auth = None) -> Response:
         async with files(volume_id, authorization) as vol:
-            await asyncio.to_thread(vol.remove, path)
+            await vol.remove(path)
         return Response(status_code=204)
 
     @router.patch("/volumecontent/{volume_id}/path", response_model=VolumeEntryStat)
@@ -181,15 +169,6 @@ def volume_routes(orchestrator: Orchestrator, authed: Sequence[Any]) -> APIRoute
         authorization: Auth = None,
     ) -> Any:
         async with files(volume_id, authorization) as vol:
-            entry = await asyncio.to_thread(vol.set_metadata, path, body.uid, body.gid, body.mode)
-            return _stat(entry)
+            return _stat(await vol.set_metadata(path, body.uid, body.gid, body.mode))
 
     return router
-
-
-async def _receive(request: Request, partial: Path) -> None:
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        async for chunk in request.stream():
-            if chunk:
-                await asyncio.to_thread(fh.write, chunk)

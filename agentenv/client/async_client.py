@@ -268,7 +268,7 @@ class AsyncAgentEnv:
 
     # -- templates ---------------------------------------------------------------------------
     async def list_templates(self) -> list[TemplateInfo]:
-        return wire.decode(wire.TEMPLATES, await self._request("GET", "/v2/templates"))
+        return wire.decode(wire.TEMPLATES, await self._request("GET", "/templates"))
 
     async def delete_template(self, template: str, *, missing_ok: bool = True) -> bool:
         return await self._delete(f"/templates/{path_part(template)}", missing_ok)

@@ -307,8 +307,9 @@ class AgentEnv:
     def list_templates(self) -> list[TemplateInfo]:
         """The templates: the built-in one once built, and those built from images and
         Dockerfiles (with their build state). ``health().templates`` has the built-in one
-        while it is still building."""
-        return wire.decode(wire.TEMPLATES, self._request("GET", "/v2/templates"))
+        while it is still building. (The v1 listing: it has no pages, unlike
+        ``/v2/templates``.)"""
+        return wire.decode(wire.TEMPLATES, self._request("GET", "/templates"))
 
     def delete_template(self, template: str, *, missing_ok: bool = True) -> bool:
         """Delete a template or snapshot by id or name: ``True``, or ``False`` when there

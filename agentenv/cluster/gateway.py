@@ -18,6 +18,8 @@ scheduler, so several gateways can run against one scheduler.
   (``signed_files``).
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
   404; a scheduler that cannot be reached is a 503 too.
+- Nodes serving TLS (reporting ``https://`` URLs) are reached over HTTPS and WebSockets
+  over TLS, verified against ``ca_file`` (else the system's trusted certificates).
 
 The gateway checks the API key only on what it answers itself (``/nodes``, ``/metrics``);
 nodes check everything they are sent. ``GET /nodes`` lists every node the scheduler
@@ -34,8 +36,10 @@ import asyncio
 import json
 import logging
 import re
+import ssl
 import time
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,6 +68,7 @@ from agentenv.cluster.scheduler_client import (
     SchedulerUnavailable,
 )
 from agentenv.cluster.signed_files import signer_node
+from agentenv.cluster.tls import client_context
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
 from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches
 from agentenv.proxy.forward import ProxyTarget, target_of
@@ -123,6 +128,7 @@ class Gateway:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         route_cache_s: float = 1.0,
+        ca_file: Path | str | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.api_key = api_key
@@ -148,10 +154,13 @@ class Gateway:
             api_key=api_key,
             route_of=lambda scope: scope.get("aenv.route"),
         )
+        # What https:// nodes are verified with, for HTTP and WebSockets alike.
+        self.node_tls: ssl.SSLContext = client_context(ca_file)
         # One client (one connection pool) for every node. No overall timeout: streams
         # (process output, downloads) may run for long.
         self.http = httpx.AsyncClient(
             trust_env=False,
+            verify=self.node_tls,
             timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=None),
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
             transport=transport,
@@ -533,7 +542,9 @@ class Gateway:
         host = headers.get("host") or node_url.netloc.decode()
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string", b"").decode("latin-1")
-        url = f"ws://{host}{raw_path.decode('latin-1')}" + (f"?{query}" if query else "")
+        tls = node_url.scheme == "https"
+        scheme = "wss" if tls else "ws"
+        url = f"{scheme}://{host}{raw_path.decode('latin-1')}" + (f"?{query}" if query else "")
         forwarded = [
             (k, v)
             for k, v in _node_headers(headers)
@@ -543,7 +554,11 @@ class Gateway:
             upstream = await ws_connect(
                 url,
                 host=node_url.host,
-                port=node_url.port or 80,
+                port=node_url.port or (443 if tls else 80),
+                # The node's certificate names the node (its URL's host), not the
+                # sandbox host name the client used.
+                ssl=self.node_tls if tls else None,
+                server_hostname=node_url.host if tls else None,
                 proxy=None,
                 additional_headers=forwarded,
                 subprotocols=scope.get("subprotocols") or None,

@@ -1,5 +1,6 @@
 """``aenv-gateway``'s command line: settings from arguments and the environment, then
-:class:`~agentenv.cluster.gateway.Gateway` served by uvicorn."""
+:class:`~agentenv.cluster.gateway.Gateway` served by uvicorn (over TLS with a certificate
+and key: then clients set ``E2B_DOMAIN`` to the gateway's domain alone)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import uvicorn
 
 from agentenv.cluster.gateway import DEFAULT_LISTEN, KEEP_ALIVE_S, Gateway
 from agentenv.cluster.scheduler_client import SchedulerClient
+from agentenv.cluster.tls import (
+    TlsSetupError,
+    add_server_arguments,
+    check_server_arguments,
+    client_context,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,8 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--scheduler",
         default=os.environ.get("AENV_SCHEDULER_URL"),
-        help="the scheduler's URL (env AENV_SCHEDULER_URL)",
+        help="the scheduler's URL, or its replicas' comma-separated (env AENV_SCHEDULER_URL)",
     )
+    parser.add_argument(
+        "--ca-file",
+        default=os.environ.get("AENV_CA_FILE"),
+        help="CA bundle (PEM) https:// nodes and schedulers are verified with "
+        "(env AENV_CA_FILE; default: the system's trusted certificates)",
+    )
+    add_server_arguments(parser, "for E2B_DOMAIN alone it names the domain and *.domain")
     parser.add_argument(
         "--domain",
         default=os.environ.get("AENV_DOMAIN"),
@@ -40,16 +54,22 @@ def main(argv: list[str] | None = None) -> None:
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key or not args.scheduler:
         sys.exit("aenv-gateway: set AENV_API_KEY and --scheduler (or AENV_SCHEDULER_URL)")
+    check_server_arguments("aenv-gateway", args)
+    try:
+        client_context(args.ca_file)
+    except TlsSetupError as exc:
+        sys.exit(f"aenv-gateway: {exc}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     gateway = Gateway(
-        SchedulerClient(args.scheduler, api_key),
+        SchedulerClient(args.scheduler, api_key, ca_file=args.ca_file),
         api_key,
         args.domain,
         route_cache_s=args.route_cache,
+        ca_file=args.ca_file,
     )
     host, _, port = args.listen.rpartition(":")
     uvicorn.run(
@@ -59,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
         h11_max_incomplete_event_size=1024 * 1024,
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
     )
 
 

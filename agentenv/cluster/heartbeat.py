@@ -1,4 +1,5 @@
-"""A node's heartbeats to the scheduler (``AENV_SCHEDULER_URL``; off without it): every
+"""A node's heartbeats to the scheduler (``AENV_SCHEDULER_URL``, one URL or replicas
+comma-separated; ``AENV_CA_FILE`` verifies an https one; off without it): every
 ``heartbeat_interval`` seconds, its capacity, allocations, roster and ready templates.
 Read-only on the node: it reports through the orchestrator's public views and changes
 nothing. A scheduler that cannot be reached is logged (once per outage) and tried again;
@@ -74,7 +75,7 @@ class Heartbeat:
         self.config = config
         # The node as GET /nodes describes it, sent along so the gateway can list nodes.
         self.describe = describe
-        self.client = SchedulerClient(config.scheduler_url, api_key)
+        self.client = SchedulerClient(config.scheduler_url, api_key, ca_file=config.ca_file)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:

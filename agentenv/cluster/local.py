@@ -5,6 +5,12 @@ outlive the command; their ids are kept in ``cluster.json`` under the cluster's 
 which ``down`` reads to stop them (it kills the nodes' sandboxes first: their VMMs
 outlive a node by design).
 
+Variants: ``--schedulers N`` runs N scheduler replicas against the one Redis (nodes and
+the gateway are given all their URLs); ``--tls`` makes a throw-away CA (``local_ca``)
+and has every component serve HTTPS with its certificate (for ``aenv.localhost``,
+``*.aenv.localhost`` and 127.0.0.1) and verify the others with the CA, so clients use
+``E2B_DOMAIN`` alone.
+
 The tests start their clusters with :class:`LocalCluster` too.
 """
 
@@ -18,6 +24,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,8 +33,14 @@ from pathlib import Path
 
 import httpx
 
+from agentenv.cluster.local_ca import make_local_ca
+from agentenv.cluster.tls import client_context
+
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "cluster.json"
+# The domain of a --tls cluster: *.localhost names resolve to the loopback address without
+# DNS in the SDK's resolver, and a wildcard certificate needs a label under it.
+TLS_DOMAIN = "aenv.localhost"
 
 
 class ClusterStartError(Exception):
@@ -104,6 +117,11 @@ class LocalCluster:
     gateway_port: int = field(default_factory=free_port)
     scheduler_port: int = field(default_factory=free_port)
     redis_port: int = field(default_factory=free_port)
+    # Scheduler replicas, all on the one Redis; the first listens on scheduler_port.
+    schedulers: int = 1
+    extra_scheduler_ports: list[int] = field(default_factory=list)
+    # Every component serves HTTPS with a certificate of a CA made under root/tls.
+    tls: bool = False
     heartbeat_interval: float = 1.0
     node_timeout: float = 5.0
     # The scheduler's --overcommit (how far allocations may exceed a node's CPUs/memory).
@@ -114,12 +132,41 @@ class LocalCluster:
 
     # -- addresses -----------------------------------------------------------------------
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The CA a --tls cluster's certificates are signed by (what clients trust)."""
+        return self.root / "tls" / "ca.pem" if self.tls else None
+
+    def verify(self) -> bool | ssl.SSLContext:
+        """What a client of this cluster's components verifies them with."""
+        return client_context(self.ca_file) if self.tls else True
+
+    @property
+    def domain(self) -> str:
+        """The gateway's (and nodes') domain: ``{port}-{id}.{domain}`` reaches a sandbox."""
+        host = TLS_DOMAIN if self.tls else "localhost"
+        return f"{host}:{self.gateway_port}"
+
+    @property
     def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
+        return f"{self.scheme}://127.0.0.1:{self.gateway_port}"
+
+    def scheduler_name(self, index: int) -> str:
+        return "scheduler" if index == 0 else f"scheduler-{index}"
+
+    @property
+    def scheduler_urls(self) -> list[str]:
+        """Every replica's URL, the first's first."""
+        ports = [self.scheduler_port, *self.extra_scheduler_ports]
+        return [f"{self.scheme}://127.0.0.1:{port}" for port in ports]
 
     @property
     def scheduler_url(self) -> str:
-        return f"http://127.0.0.1:{self.scheduler_port}"
+        """The first replica's URL."""
+        return self.scheduler_urls[0]
 
     @property
     def redis_url(self) -> str:
@@ -130,6 +177,14 @@ class LocalCluster:
 
     def client_env(self) -> dict[str, str]:
         """What a client exports to use the cluster with the e2b SDK or ``aenv``."""
+        if self.tls:
+            return {
+                "E2B_DOMAIN": self.domain,
+                "E2B_API_KEY": self.api_key,
+                "SSL_CERT_FILE": str(self.ca_file),
+                "AENV_SERVER": self.gateway_url,
+                "AENV_API_KEY": self.api_key,
+            }
         return {
             "E2B_API_URL": self.gateway_url,
             "E2B_SANDBOX_URL": self.gateway_url,
@@ -144,6 +199,15 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
         base["AENV_API_KEY"] = self.api_key
+        tls: dict[str, str] = {}
+        if self.tls:
+            # Valid for 30 days: a local cluster may be left running for a while.
+            ca = make_local_ca(self.root / "tls", TLS_DOMAIN, days=30)
+            tls = {
+                "AENV_TLS_CERT": str(ca.server_cert.resolve()),
+                "AENV_TLS_KEY": str(ca.server_key.resolve()),
+                "AENV_CA_FILE": str(ca.ca_cert.resolve()),
+            }
         python = sys.executable
         redis_dir = self.root / "redis"
         redis_dir.mkdir(exist_ok=True)
@@ -168,25 +232,30 @@ class LocalCluster:
             base,
             str(logs / "redis.log"),
         )
-        self.procs["scheduler"] = Proc(
-            "scheduler",
-            [
-                python,
-                "-m",
-                "agentenv.cluster.scheduler",
-                "--listen",
-                f"127.0.0.1:{self.scheduler_port}",
-                "--redis",
-                self.redis_url,
-                "--node-timeout",
-                str(self.node_timeout),
-                "--overcommit",
-                str(self.overcommit),
-            ],
-            base,
-            str(logs / "scheduler.log"),
-        )
-        domain = f"localhost:{self.gateway_port}"
+        while len(self.extra_scheduler_ports) < self.schedulers - 1:
+            self.extra_scheduler_ports.append(free_port())
+        for index, url in enumerate(self.scheduler_urls):
+            name = self.scheduler_name(index)
+            self.procs[name] = Proc(
+                name,
+                [
+                    python,
+                    "-m",
+                    "agentenv.cluster.scheduler",
+                    "--listen",
+                    url.split("://", 1)[1],
+                    "--redis",
+                    self.redis_url,
+                    "--node-timeout",
+                    str(self.node_timeout),
+                    "--overcommit",
+                    str(self.overcommit),
+                ],
+                {**base, **tls},
+                str(logs / f"{name}.log"),
+            )
+        domain = self.domain
+        schedulers = ",".join(self.scheduler_urls)
         self.procs["gateway"] = Proc(
             "gateway",
             [
@@ -196,11 +265,11 @@ class LocalCluster:
                 "--listen",
                 f"127.0.0.1:{self.gateway_port}",
                 "--scheduler",
-                self.scheduler_url,
+                schedulers,
                 "--domain",
                 domain,
             ],
-            base,
+            {**base, **tls},
             str(logs / "gateway.log"),
         )
         token_key = secrets.token_hex(32)
@@ -215,9 +284,10 @@ class LocalCluster:
                 "AENV_NODE_ID": name,
                 "AENV_REPOSITORY": repository.as_uri(),
                 "AENV_ENVD_TOKEN_KEY": token_key,
-                "AENV_SCHEDULER_URL": self.scheduler_url,
+                "AENV_SCHEDULER_URL": schedulers,
                 "AENV_HEARTBEAT_INTERVAL": str(self.heartbeat_interval),
                 "AENV_DOMAIN": domain,
+                **tls,
                 **self.node_env,
             }
             self.procs[name] = Proc(
@@ -244,13 +314,11 @@ class LocalCluster:
         """Wait for the processes ``names`` (default: all) to serve, and for the nodes
         among them to be up in the scheduler."""
         deadline = time.monotonic() + wait
-        with httpx.Client(trust_env=False, timeout=5) as http:
+        with httpx.Client(trust_env=False, timeout=5, verify=self.verify()) as http:
             for name, proc in self.procs.items():
                 if name == "redis" or not proc.alive() or (names and name not in names):
                     continue
-                url = {"scheduler": self.scheduler_url, "gateway": self.gateway_url}.get(
-                    name, f"http://{proc.env.get('AENV_LISTEN')}"
-                )
+                url = self.url_of(name)
                 while not self._ready(http, name, url):
                     if not proc.alive():
                         raise ClusterStartError(f"{name} exited:\n{proc.tail()}")
@@ -266,6 +334,15 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise ClusterStartError("nodes did not all register with the scheduler")
                 time.sleep(0.3)
+
+    def url_of(self, name: str) -> str:
+        """Where the process ``name`` serves (a node, a scheduler, the gateway)."""
+        if name == "gateway":
+            return self.gateway_url
+        argv = self.procs[name].argv
+        if "--listen" in argv:
+            return f"{self.scheme}://{argv[argv.index('--listen') + 1]}"
+        return f"{self.scheme}://{self.procs[name].env['AENV_LISTEN']}"
 
     @staticmethod
     def _wait_for_port(port: int, proc: Proc, wait: float = 30.0) -> None:
@@ -313,11 +390,16 @@ class LocalCluster:
     def kill_sandboxes(self) -> None:
         """Kill every sandbox on every node that still answers (their VMMs would
         otherwise outlive the nodes)."""
-        with httpx.Client(trust_env=False, timeout=60, headers={"X-API-Key": self.api_key}) as http:
+        with httpx.Client(
+            trust_env=False,
+            timeout=60,
+            headers={"X-API-Key": self.api_key},
+            verify=self.verify(),
+        ) as http:
             for name, proc in self.procs.items():
                 if not name.startswith("node-") or not proc.alive():
                     continue
-                url = f"http://{proc.env['AENV_LISTEN']}"
+                url = self.url_of(name)
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     for item in http.get(f"{url}/sandboxes").json():
                         http.delete(f"{url}/sandboxes/{item['sandboxID']}")
@@ -337,6 +419,8 @@ class LocalCluster:
             "gateway_port": self.gateway_port,
             "scheduler_port": self.scheduler_port,
             "redis_port": self.redis_port,
+            "extra_scheduler_ports": self.extra_scheduler_ports,
+            "tls": self.tls,
             "procs": {name: asdict(proc) for name, proc in self.procs.items()},
         }
         path = self.root / STATE_FILE
@@ -353,6 +437,9 @@ class LocalCluster:
             gateway_port=data["gateway_port"],
             scheduler_port=data["scheduler_port"],
             redis_port=data["redis_port"],
+            schedulers=1 + len(data.get("extra_scheduler_ports", [])),
+            extra_scheduler_ports=data.get("extra_scheduler_ports", []),
+            tls=data.get("tls", False),
         )
         cluster.procs = {name: Proc(**proc) for name, proc in data["procs"].items()}
         return cluster
@@ -364,6 +451,14 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.add_parser("up", help="start Redis, scheduler, gateway and N nodes")
     up.add_argument("--nodes", type=int, default=3)
     up.add_argument("--port", type=int, default=8080, help="the gateway's port (8080)")
+    up.add_argument(
+        "--schedulers", type=int, default=1, help="scheduler replicas on the one Redis (1)"
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="every component serves HTTPS with a certificate of a throw-away CA",
+    )
     down = sub.add_parser("down", help="stop what `up` started")
     for command in (up, down):
         command.add_argument(
@@ -380,12 +475,19 @@ def main(argv: list[str] | None = None) -> None:
         existing = LocalCluster.load(args.dir)
         if any(proc.alive() for proc in existing.procs.values()):
             sys.exit(f"cluster: one is running in {args.dir}; `cluster down --dir {args.dir}`")
-    cluster = LocalCluster(args.dir, nodes=args.nodes, gateway_port=args.port)
+    if args.nodes < 1 or args.schedulers < 1:
+        sys.exit("cluster: --nodes and --schedulers must be at least 1")
+    cluster = LocalCluster(
+        args.dir, nodes=args.nodes, gateway_port=args.port, schedulers=args.schedulers, tls=args.tls
+    )
     try:
         cluster.up()
     except ClusterStartError as exc:
         sys.exit(f"cluster: {exc}")
-    print(f"{args.nodes} nodes, scheduler {cluster.scheduler_url}, Redis {cluster.redis_url}")
+    schedulers = ", ".join(cluster.scheduler_urls)
+    print(f"{args.nodes} nodes, scheduler(s) {schedulers}, Redis {cluster.redis_url}")
+    if cluster.tls:
+        print(f"TLS: certificates signed by {cluster.ca_file} (SSL_CERT_FILE below trusts it)")
     print(f"logs in {args.dir / 'logs'}; stop with: scripts/cluster down --dir {args.dir}\n")
     for key, value in cluster.client_env().items():
         print(f"export {key}={value}")

@@ -1,6 +1,9 @@
-"""The scheduler's node registry: nodes fed by heartbeats, marked down when they stop,
-reservations for placements not yet visible in a report, and the sandbox→node bindings
-(kept in a :class:`~agentenv.cluster.bindings.BindingStore`).
+"""The scheduler's node registry: nodes fed by heartbeats, down when they stop,
+reservations for placements not yet visible in a report, and the sandbox→node bindings.
+All of it is kept in a :class:`~agentenv.cluster.store.SchedulerStore` (see there why),
+so any number of scheduler replicas can serve one cluster from one Redis: this object
+holds nothing another replica would need, only what it last saw of each node's state, to
+log changes and count nodes in ``/metrics``.
 
 A node's roster is the truth about which sandboxes it holds: each heartbeat binds every
 sandbox on it to it, and unbinds sandboxes bound to it that it no longer reports, unless
@@ -11,16 +14,22 @@ heartbeat interval.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from urllib.parse import urlsplit
 
-from agentenv.cluster.bindings import BindingStore, BoundEntry
 from agentenv.cluster.models import Binding, NodeInfo, NodeReport, NodeState
 from agentenv.cluster.placement import Candidate, Demand, PlacementStrategy
+from agentenv.cluster.store import (
+    BoundEntry,
+    NodeRecord,
+    Reservation,
+    SchedulerStore,
+    with_sandbox,
+)
 
 log = logging.getLogger("agentenv.cluster.registry")
 
@@ -42,34 +51,25 @@ class UnknownNode(Exception):
         self.node_id = node_id
 
 
-@dataclass
-class _Reservation:
-    node_id: str
-    vcpus: int
-    memory_mib: int
-    made_at: float
-    sandbox_id: str | None = None
+def _info(record: NodeRecord) -> NodeInfo:
+    return NodeInfo(
+        report=record.report,
+        state=NodeState.UP if record.up else NodeState.DOWN,
+        lastSeen=datetime.fromtimestamp(record.seen_at, UTC),
+    )
 
 
-@dataclass
-class _Node:
-    report: NodeReport
-    state: NodeState
-    last_seen: float
-    reservations: dict[str, _Reservation] = field(default_factory=dict)
-
-    def info(self) -> NodeInfo:
-        return NodeInfo(
-            report=self.report,
-            state=self.state,
-            lastSeen=datetime.fromtimestamp(self.last_seen, UTC),
-        )
+def _address(url: str) -> str:
+    """A node URL's host and port: discovery lists ``http://`` URLs whatever the nodes
+    serve, so a TLS node's ``https://`` report is compared by address."""
+    parts = urlsplit(url)
+    return parts.netloc or url.rstrip("/")
 
 
 class NodeRegistry:
     def __init__(
         self,
-        store: BindingStore,
+        store: SchedulerStore,
         strategy: PlacementStrategy,
         *,
         node_timeout: float = 10.0,
@@ -83,154 +83,188 @@ class NodeRegistry:
         self.binding_grace = binding_grace
         self.reservation_ttl = reservation_ttl
         self.clock = clock
-        self._nodes: dict[str, _Node] = {}
-        # Node URLs discovery listed at its last look.
+        # Each node's state as this replica last saw it (for logs and metrics only).
+        self._seen_states: dict[str, NodeState] = {}
+        # Node addresses discovery listed at this replica's last look.
         self._discovered: set[str] = set()
-
-    async def load(self) -> None:
-        """The nodes the store remembers, up until they miss ``node_timeout`` from now:
-        a restarted scheduler can route to them before their next heartbeat."""
-        now = self.clock()
-        for report in await self.store.nodes():
-            self._nodes.setdefault(report.node_id, _Node(report, NodeState.UP, now))
+        # One placement at a time in this replica: a burst then races only the other
+        # replicas' placements in the store's optimistic transaction, not itself.
+        self._placing = asyncio.Lock()
 
     # -- node state ----------------------------------------------------------------------
-    def _set_state(self, node: _Node, state: NodeState) -> None:
-        """The one place a node's state changes."""
-        if node.state is not state:
-            log.info("node %s is %s", node.report.node_id, state.value)
-            node.state = state
-
     async def heartbeat(self, report: NodeReport) -> NodeInfo:
         now = self.clock()
-        node = self._nodes.get(report.node_id)
-        if node is None:
-            node = self._nodes[report.node_id] = _Node(report, NodeState.UP, now)
-            log.info("node %s joined at %s", report.node_id, report.url)
-        node.report = report
-        node.last_seen = now
-        self._set_state(node, NodeState.UP)
-        await self.store.save_node(report)
-        await self._follow_roster(node, now)
-        return node.info()
+        if report.node_id not in self._seen_states:
+            log.info("node %s heartbeats from %s", report.node_id, report.url)
+        await self.store.save_node(report, now, self.node_timeout)
+        self._note(report.node_id, NodeState.UP)
+        await self._follow_roster(report, now)
+        return _info(NodeRecord(report, now, up=True))
 
-    async def _follow_roster(self, node: _Node, now: float) -> None:
-        roster = set(node.report.sandboxes)
-        node_id = node.report.node_id
+    def _note(self, node_id: str, state: NodeState) -> bool:
+        """Remember ``state`` as this replica's view; True if it changed from what this
+        replica saw before (not when it sees the node for the first time)."""
+        before = self._seen_states.get(node_id)
+        self._seen_states[node_id] = state
+        changed = before is not None and before is not state
+        if changed:
+            log.info("node %s is %s", node_id, state.value)
+        return changed
+
+    async def _follow_roster(self, report: NodeReport, now: float) -> None:
+        roster = set(report.sandboxes)
+        node_id = report.node_id
         bindings = await self.store.all()
         for sandbox_id in roster:
             entry = bindings.get(sandbox_id)
             if entry is None or entry.node_id != node_id:
                 await self.store.put(sandbox_id, BoundEntry(node_id, now))
-        gone = [
-            sandbox_id
+        gone = {
+            sandbox_id: entry
             for sandbox_id, entry in bindings.items()
             if entry.node_id == node_id
             and sandbox_id not in roster
             and entry.bound_at < now - self.binding_grace
+        }
+        # Only if unchanged: another replica may have bound one elsewhere meanwhile.
+        await self.store.delete_unchanged(gone)
+        ended = [
+            placement_id
+            for placement_id, reservation in (await self.store.reservations()).items()
+            if reservation.node_id == node_id
+            and (
+                reservation.made_at < now - self.reservation_ttl
+                or (reservation.sandbox_id is not None and reservation.sandbox_id in roster)
+            )
         ]
-        await self.store.delete(*gone)
-        for key, reservation in list(node.reservations.items()):
-            stale = reservation.made_at < now - self.reservation_ttl
-            if stale or (reservation.sandbox_id is not None and reservation.sandbox_id in roster):
-                del node.reservations[key]
+        await self.store.end_reservations(*ended)
 
-    def mark_silent_down(self) -> list[str]:
-        """Nodes whose last heartbeat is older than ``node_timeout`` become down; returns
-        the ids of those that just did."""
-        now = self.clock()
-        downed = []
-        for node in self._nodes.values():
-            if node.state is NodeState.UP and node.last_seen < now - self.node_timeout:
-                self._set_state(node, NodeState.DOWN)
-                downed.append(node.report.node_id)
+    async def newly_down(self) -> list[str]:
+        """Refresh this replica's view of every node's state (its log and metrics; the
+        store decides what is down) and return the nodes it saw up and now sees down
+        (silent for ``node_timeout``, or gone from discovery)."""
+        nodes = await self.nodes()
+        downed = [
+            node.node_id
+            for node in nodes
+            if self._note(node.node_id, node.state) and node.state is NodeState.DOWN
+        ]
+        for node_id in set(self._seen_states) - {node.node_id for node in nodes}:
+            del self._seen_states[node_id]  # forgotten, through another replica
         return downed
 
-    def follow_discovery(self, urls: set[str]) -> list[str]:
-        """Discovery (``discovery``) listed ``urls`` now: up nodes whose URL it listed
+    async def follow_discovery(self, urls: set[str]) -> list[str]:
+        """Discovery (``discovery``) listed ``urls`` now: up nodes whose address it listed
         before and lists no more become down; returns their ids. (Nodes never listed
         are left to their heartbeats: a list that lags must not down a new node.)"""
-        vanished = self._discovered - urls
-        self._discovered = set(urls)
+        addresses = {_address(url) for url in urls}
+        vanished = self._discovered - addresses
+        self._discovered = addresses
         downed = []
-        for node in self._nodes.values():
-            if node.state is NodeState.UP and node.report.url.rstrip("/") in vanished:
-                self._set_state(node, NodeState.DOWN)
-                downed.append(node.report.node_id)
+        for node in await self.nodes():
+            if node.state is NodeState.UP and _address(node.report.url) in vanished:
+                await self.store.mark_down(node.node_id)
+                self._note(node.node_id, NodeState.DOWN)
+                downed.append(node.node_id)
         return downed
 
     def discovered(self) -> set[str]:
         return set(self._discovered)
 
+    def states_seen(self) -> dict[str, NodeState]:
+        """Each node's state as this replica last saw it (for metrics)."""
+        return dict(self._seen_states)
+
     async def forget(self, node_id: str) -> None:
         """A node that left for good (it said so): its record goes, its bindings stay
         until another node reports those sandboxes."""
-        self._nodes.pop(node_id, None)
+        self._seen_states.pop(node_id, None)
         await self.store.delete_node(node_id)
 
-    def nodes(self) -> list[NodeInfo]:
-        return [self._nodes[key].info() for key in sorted(self._nodes)]
+    async def nodes(self) -> list[NodeInfo]:
+        records = await self.store.nodes(self.clock())
+        return sorted((_info(r) for r in records), key=lambda n: n.node_id)
 
-    def node(self, node_id: str) -> NodeInfo | None:
-        node = self._nodes.get(node_id)
-        return node.info() if node else None
+    async def node(self, node_id: str) -> NodeInfo | None:
+        record = await self.store.node(node_id, self.clock())
+        return _info(record) if record else None
 
     # -- placement -----------------------------------------------------------------------
-    def candidates(self) -> list[Candidate]:
+    @staticmethod
+    def _candidates(records: list[NodeRecord], reservations: list[Reservation]) -> list[Candidate]:
         out = []
-        for node in self._nodes.values():
-            if node.state is not NodeState.UP:
+        for record in records:
+            if not record.up:
                 continue
-            report = node.report
+            report = record.report
+            held = [r for r in reservations if r.node_id == report.node_id]
             out.append(
                 Candidate(
-                    node=node.info(),
-                    vcpus=report.allocated_vcpus + sum(r.vcpus for r in node.reservations.values()),
-                    memory_mib=report.allocated_memory_mib
-                    + sum(r.memory_mib for r in node.reservations.values()),
+                    node=_info(record),
+                    vcpus=report.allocated_vcpus + sum(r.vcpus for r in held),
+                    memory_mib=report.allocated_memory_mib + sum(r.memory_mib for r in held),
                 )
             )
         return out
 
-    def place(self, demand: Demand) -> tuple[str, NodeInfo]:
-        """A node for ``demand`` and the id of the reservation made on it (ended by
-        :meth:`bind` or :meth:`release`). Raises :class:`NoCapacity`."""
-        candidates = self.candidates()
-        chosen = self.strategy.choose(candidates, demand)
-        if chosen is None:
-            raise NoCapacity(demand, len(candidates))
-        node = self._nodes[chosen.node_id]
-        placement_id = secrets.token_hex(8)
-        node.reservations[placement_id] = _Reservation(
-            node_id=chosen.node_id,
-            vcpus=demand.vcpus or node.report.sandbox_vcpus,
-            memory_mib=demand.memory_mib or node.report.sandbox_memory_mib,
-            made_at=self.clock(),
-        )
-        return placement_id, node.info()
+    async def candidates(self) -> list[Candidate]:
+        records = await self.store.nodes(self.clock())
+        return self._candidates(records, list((await self.store.reservations()).values()))
 
-    def release(self, placement_id: str) -> None:
-        for node in self._nodes.values():
-            node.reservations.pop(placement_id, None)
+    async def place(self, demand: Demand) -> tuple[str, NodeInfo]:
+        """A node for ``demand`` and the id of the reservation made on it (ended by
+        :meth:`bind` or :meth:`release`). Atomic across replicas: a reservation another
+        replica makes meanwhile is counted. Raises :class:`NoCapacity`."""
+        now = self.clock()
+        seen: list[Candidate] = []
+        chosen_node: list[NodeInfo] = []
+
+        def choose(records: list[NodeRecord], held: list[Reservation]) -> Reservation | None:
+            candidates = self._candidates(records, held)
+            seen[:] = candidates
+            chosen = self.strategy.choose(candidates, demand)
+            if chosen is None:
+                return None
+            report = chosen.node.report
+            chosen_node[:] = [chosen.node]
+            return Reservation(
+                node_id=chosen.node_id,
+                vcpus=demand.vcpus or report.sandbox_vcpus,
+                memory_mib=demand.memory_mib or report.sandbox_memory_mib,
+                made_at=now,
+            )
+
+        async with self._placing:
+            made = await self.store.reserve(choose, now)
+        if made is None:
+            raise NoCapacity(demand, len(seen))
+        return made[0], chosen_node[0]
+
+    async def release(self, placement_id: str) -> None:
+        await self.store.end_reservations(placement_id)
 
     # -- bindings ------------------------------------------------------------------------
     async def bind(self, sandbox_id: str, node_id: str, placement_id: str | None = None) -> Binding:
-        node = self._nodes.get(node_id)
-        if node is None:
+        record = await self.store.node(node_id, self.clock())
+        if record is None:
             raise UnknownNode(node_id)
         await self.store.put(sandbox_id, BoundEntry(node_id, self.clock()))
-        if placement_id is not None and placement_id in node.reservations:
-            # Kept until the node's roster shows the sandbox (its allocation then does).
-            node.reservations[placement_id].sandbox_id = sandbox_id
-        return Binding(sandboxID=sandbox_id, nodeID=node_id, node=node.info())
+        if placement_id is not None:
+            reservation = (await self.store.reservations()).get(placement_id)
+            if reservation is not None and reservation.node_id == node_id:
+                # Kept until the node's roster shows the sandbox (its allocation then does).
+                await self.store.set_reservation(
+                    placement_id, with_sandbox(reservation, sandbox_id)
+                )
+        return Binding(sandboxID=sandbox_id, nodeID=node_id, node=_info(record))
 
     async def lookup(self, sandbox_id: str) -> Binding | None:
         entry = await self.store.get(sandbox_id)
         if entry is None:
             return None
-        node = self._nodes.get(entry.node_id)
+        record = await self.store.node(entry.node_id, self.clock())
         return Binding(
-            sandboxID=sandbox_id, nodeID=entry.node_id, node=node.info() if node else None
+            sandboxID=sandbox_id, nodeID=entry.node_id, node=_info(record) if record else None
         )
 
     async def unbind(self, sandbox_id: str) -> None:

@@ -1,7 +1,15 @@
 """``aenv-scheduler``: the cluster's node registry, placement and sandbox→node bindings,
-served over HTTP (default ``127.0.0.1:9090``) to nodes (heartbeats) and gateways
-(placements, binding lookups). Bindings live in Redis with ``--redis``, else in memory;
-either way they are rebuilt from the nodes' heartbeat rosters (see ``registry``).
+served over HTTP (default ``127.0.0.1:9090``, HTTPS with ``--tls-cert``/``--tls-key``) to
+nodes (heartbeats) and gateways (placements, binding lookups). What it knows lives in
+Redis with ``--redis``, else in memory (``store``); bindings are rebuilt from the nodes'
+heartbeat rosters either way (``registry``).
+
+With Redis, several replicas may serve one cluster: every one reads and writes the same
+nodes, bindings and reservations, and placements are atomic across them, so nodes and
+gateways are given all their URLs (``AENV_SCHEDULER_URL=http://a:9090,http://b:9090``)
+or one address in front of them, and a replica that dies (kill -9 included) costs only
+the requests it had in flight, which its clients send again to another replica
+(``scheduler_client``). Without Redis, run one.
 
 ``/metrics`` (with the API key) has its request latencies, placement decisions
 (``aenv_scheduler_placements_total{node, outcome}``) and nodes by state. With
@@ -37,7 +45,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agentenv import __version__
-from agentenv.cluster.bindings import BindingStoreUnavailable, open_binding_store
 from agentenv.cluster.discovery import Discovery, DiscoveryError, open_discovery
 from agentenv.cluster.models import (
     Binding,
@@ -51,6 +58,8 @@ from agentenv.cluster.models import (
 )
 from agentenv.cluster.placement import Demand, LeastLoaded, PlacementStrategy
 from agentenv.cluster.registry import NoCapacity, NodeRegistry, UnknownNode
+from agentenv.cluster.store import StoreUnavailable, open_store
+from agentenv.cluster.tls import add_server_arguments, check_server_arguments
 from agentenv.observability import RequestMetrics
 
 log = logging.getLogger("agentenv.cluster.scheduler")
@@ -67,10 +76,14 @@ class _NodesCollector(Collector):
         self.registry = registry
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        nodes = GaugeMetricFamily("aenv_scheduler_nodes", "Nodes by state", labels=["state"])
-        known = self.registry.nodes()
+        nodes = GaugeMetricFamily(
+            "aenv_scheduler_nodes",
+            "Nodes by state, as this replica last saw them",
+            labels=["state"],
+        )
+        known = self.registry.states_seen().values()
         for state in NodeState:
-            nodes.add_metric([state.value], sum(1 for n in known if n.state is state))
+            nodes.add_metric([state.value], sum(1 for seen in known if seen is state))
         yield nodes
         yield GaugeMetricFamily(
             "aenv_scheduler_discovered_nodes",
@@ -87,9 +100,9 @@ def create_scheduler_app(
     discovery: Discovery | None = None,
     discovery_interval: float = 5.0,
 ) -> FastAPI:
-    """The scheduler's API over ``registry``; its lifespan loads the stored nodes, marks
-    silent ones down every ``sweep_interval`` seconds and, with ``discovery``, nodes
-    that left its list every ``discovery_interval`` seconds."""
+    """The scheduler's API over ``registry``; its lifespan logs nodes going silent (looking
+    every ``sweep_interval`` seconds) and, with ``discovery``, marks nodes that left its
+    list down every ``discovery_interval`` seconds."""
     metrics = CollectorRegistry()
     placements = Counter(
         "aenv_scheduler_placements",
@@ -102,32 +115,30 @@ def create_scheduler_app(
     async def sweep() -> None:
         while True:
             await asyncio.sleep(sweep_interval)
-            for node_id in registry.mark_silent_down():
-                log.warning("node %s stopped heartbeating: marked down", node_id)
+            try:
+                for node_id in await registry.newly_down():
+                    log.warning("node %s stopped heartbeating: down", node_id)
+            except StoreUnavailable as exc:
+                log.debug("nodes not looked at: %s", exc)
 
     async def discover(discovery: Discovery) -> None:
         failing = False
         while True:
             try:
                 urls = await discovery.node_urls()
-            except DiscoveryError as exc:
+                downed = await registry.follow_discovery(urls)
+            except (DiscoveryError, StoreUnavailable) as exc:
                 if not failing:
                     log.warning("discovery failed (nodes kept as they are): %s", exc)
                 failing = True
             else:
                 failing = False
-                for node_id in registry.follow_discovery(urls):
+                for node_id in downed:
                     log.warning("node %s left discovery: marked down", node_id)
             await asyncio.sleep(discovery_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        try:
-            await registry.load()
-        except BindingStoreUnavailable as exc:
-            # Serve anyway: heartbeats bring the nodes back, and bindings are answered
-            # (503) once the store is reachable again.
-            log.warning("nodes not loaded: %s", exc)
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(sweep())]
         if discovery is not None:
@@ -153,8 +164,8 @@ def create_scheduler_app(
     async def refused(request: Request, exc: _Refused) -> JSONResponse:
         return _error(exc.status, exc.message)
 
-    @app.exception_handler(BindingStoreUnavailable)
-    async def store_down(request: Request, exc: BindingStoreUnavailable) -> JSONResponse:
+    @app.exception_handler(StoreUnavailable)
+    async def store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
         return _error(503, str(exc))
 
     @app.get("/health")
@@ -162,7 +173,7 @@ def create_scheduler_app(
         return {
             "status": "ok",
             "version": __version__,
-            "nodes": len(registry.nodes()),
+            "nodes": len(registry.states_seen()),
             "discovered": len(registry.discovered()),
         }
 
@@ -172,11 +183,11 @@ def create_scheduler_app(
 
     @app.get("/nodes", response_model=list[NodeInfo], dependencies=authed)
     async def list_nodes() -> list[NodeInfo]:
-        return registry.nodes()
+        return await registry.nodes()
 
     @app.get("/nodes/{node_id}", response_model=NodeInfo, dependencies=authed)
     async def get_node(node_id: str) -> NodeInfo:
-        node = registry.node(node_id)
+        node = await registry.node(node_id)
         if node is None:
             raise _Refused(404, f"node {node_id!r} not found")
         return node
@@ -190,7 +201,7 @@ def create_scheduler_app(
     async def place(body: PlacementRequest) -> Placement:
         demand = Demand(body.template_id, body.vcpus, body.memory_mib)
         try:
-            placement_id, node = registry.place(demand)
+            placement_id, node = await registry.place(demand)
         except NoCapacity as exc:
             placements.labels("", "no_capacity").inc()
             raise _Refused(503, str(exc)) from exc
@@ -200,7 +211,7 @@ def create_scheduler_app(
 
     @app.delete("/placements/{placement_id}", status_code=204, dependencies=authed)
     async def release(placement_id: str) -> Response:
-        registry.release(placement_id)
+        await registry.release(placement_id)
         return Response(status_code=204)
 
     @app.put("/bindings/{sandbox_id}", response_model=Binding, dependencies=authed)
@@ -241,7 +252,7 @@ def build_registry(
     strategy: PlacementStrategy | None = None,
 ) -> NodeRegistry:
     return NodeRegistry(
-        open_binding_store(redis_url),
+        open_store(redis_url),
         strategy or LeastLoaded(overcommit=overcommit),
         node_timeout=node_timeout,
         binding_grace=binding_grace,
@@ -251,7 +262,11 @@ def build_registry(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="aenv-scheduler", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help=f"host:port ({DEFAULT_LISTEN})")
-    parser.add_argument("--redis", help="redis://host:port/db for bindings (default: memory)")
+    parser.add_argument(
+        "--redis",
+        help="redis://host:port/db for nodes, bindings and reservations, shared by every "
+        "replica (default: memory, one scheduler)",
+    )
     parser.add_argument(
         "--overcommit",
         type=float,
@@ -276,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         help="static:URL,... or kubernetes:NAMESPACE/SERVICE[:PORT] (env AENV_DISCOVERY): "
         "nodes leaving that list are marked down at once (default: heartbeats only)",
     )
+    add_server_arguments(parser, "nodes and gateways then verify it with their AENV_CA_FILE")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    check_server_arguments("aenv-scheduler", args)
     api_key = os.environ.get("AENV_API_KEY")
     if not api_key:
         sys.exit("aenv-scheduler: set AENV_API_KEY (the key nodes and gateways present)")
@@ -301,7 +318,14 @@ def main(argv: list[str] | None = None) -> None:
         discovery=discovery,
     )
     host, _, port = args.listen.rpartition(":")
-    uvicorn.run(app, host=host, port=int(port), log_level="warning")
+    uvicorn.run(
+        app,
+        host=host,
+        port=int(port),
+        log_level="warning",
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
+    )
 
 
 if __name__ == "__main__":

@@ -246,6 +246,22 @@ class NetworkManager:
         async with self._slot_lock(slot):
             await self._destroy_slot(slot)
 
+    async def detach(self, slot: int) -> None:
+        """The part of :meth:`destroy` a kill waits for, about a millisecond: the egress
+        filter of `slot` stops and its namespace loses its name, so nothing can enter it
+        and no listing shows it. With no process and no socket left inside, the kernel
+        then tears the namespace down by itself, its veth pair included; :meth:`destroy`
+        (run later, off the request) waits for the host end to go and drops the host
+        rules. Until then the slot must not be reused (the caller keeps it reserved).
+
+        The VMM of `slot` must have exited."""
+        self._check_slot(slot)
+        net = self.describe(slot)
+        async with self._slot_lock(slot):
+            await self.egress_filter.stop(slot)
+            with contextlib.suppress(FileNotFoundError):
+                await asyncio.to_thread(netns.remove, net.netns)
+
     async def reclaim(self, keep: set[int]) -> list[str]:
         """Remove every resource of this prefix whose slot is not in `keep`.
 

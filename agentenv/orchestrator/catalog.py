@@ -483,6 +483,51 @@ class Catalog:
                 log.warning("skipping a volume record: %s", exc)
         return entries
 
+    async def put_volume(self, entry: VolumeEntry) -> None:
+        await _guard(
+            f"updating volume {entry.name!r}",
+            self.repository.put_record(VOLUMES, entry.id, entry.to_wire()),
+        )
+
+    async def claim_volume(self, volume_id: str) -> str | None:
+        """Take the writer's claim on a volume for this node (``claim:volume:<id>``):
+        ``None`` once this node has it, else the node that does."""
+
+        async def work() -> str | None:
+            name = _volume_claim_name(volume_id)
+            for _ in range(3):
+                if await self.repository.claim_name(name, self.node):
+                    return None
+                holder = await self.repository.resolve_name(name)
+                if holder is not None:
+                    return None if holder == self.node else holder
+            raise RepositoryUnavailable(f"the claim on volume {volume_id} keeps changing")
+
+        return await _guard(f"claiming volume {volume_id}", work())
+
+    async def volume_writer(self, volume_id: str) -> str | None:
+        """The node holding the writer's claim on a volume, if one does."""
+        return await _guard(
+            f"reading the claim on volume {volume_id}",
+            self.repository.resolve_name(_volume_claim_name(volume_id)),
+        )
+
+    async def release_volume(self, volume_id: str) -> None:
+        await _guard(
+            f"releasing volume {volume_id}",
+            self.repository.drop_name(_volume_claim_name(volume_id), expected_target=self.node),
+        )
+
+    async def push_volume_image(self, image: Path) -> str:
+        """The image as a blob of the repository (its changed chunks pushed): its
+        digest. Under a commit lease, so no collection sweeps it before its record
+        names it."""
+        async with self.commit_lease():
+            return await _guard(f"pushing {image.name}", self.repository.push_file(image))
+
+    async def pull_volume_image(self, digest: str, dest: Path) -> None:
+        await _guard(f"fetching {dest.name}", self.repository.pull_file(digest, dest))
+
     async def drop_volume(self, entry: VolumeEntry) -> None:
         async def work() -> None:
             await self.repository.delete_record(VOLUMES, entry.id)
@@ -509,6 +554,10 @@ def check_user_name(name: str) -> None:
 
 def _volume_name(name: str) -> str:
     return f"volume:{name}"
+
+
+def _volume_claim_name(volume_id: str) -> str:
+    return f"claim:volume:{volume_id}"
 
 
 def _claim_name(sandbox_id: str, generation: int) -> str:

@@ -134,6 +134,8 @@ class Lifecycle:
         self.report_free_pages = False
         # envd /init after a resume, which traffic to the sandbox waits for.
         self._settling: dict[str, asyncio.Task[None]] = {}
+        # Sandboxes whose first envd /init failed, and why (see check_envd).
+        self._envd_failed: dict[str, str] = {}
 
     def existing(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox no operation is changing; :class:`SandboxNotFound`
@@ -149,6 +151,23 @@ class Lifecycle:
     def settling(self, sandbox_id: str) -> asyncio.Task[None] | None:
         return self._settling.get(sandbox_id)
 
+    async def envd_settled(self, sandbox_id: str) -> None:
+        """Wait for envd's /init of a sandbox just started or resumed (an operation that
+        saves the machine, or talks to envd itself, must not run beside it)."""
+        settling = self._settling.get(sandbox_id)
+        if settling is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(settling)
+
+    def check_envd(self, sandbox_id: str) -> None:
+        """:class:`OperationFailed` if the sandbox's first envd /init failed: its envd has
+        no token and must not be reached."""
+        failed = self._envd_failed.get(sandbox_id)
+        if failed is not None:
+            raise OperationFailed(
+                f"sandbox {sandbox_id} did not start: envd /init failed ({failed}); kill it"
+            )
+
     # -- create ----------------------------------------------------------------------
     async def create(
         self,
@@ -158,12 +177,24 @@ class Lifecycle:
         timeout: int,
         *,
         private_memory: bool,
+        envd_in_background: bool = False,
     ) -> SandboxView:
+        """Start a sandbox. With ``envd_in_background`` it answers once the machine runs
+        and envd's /init (identity, clock, entropy) finishes in the background, as after
+        a resume: proxied traffic waits for it (:meth:`settling`), and a sandbox whose
+        /init failed takes none (:meth:`check_envd`). Without it (template builds, which
+        talk to envd directly next), or with volumes to mount, the create waits."""
         with self.memory.hold(sandbox_id, source.snapshot.memory_mib, "create"):
             slot = self.slots.reserve()
             try:
                 return await self._create(
-                    sandbox_id, source, identity, slot, timeout, private_memory
+                    sandbox_id,
+                    source,
+                    identity,
+                    slot,
+                    timeout,
+                    private_memory,
+                    envd_in_background and not identity.volume_mounts,
                 )
             finally:
                 self.slots.release(slot)
@@ -176,6 +207,7 @@ class Lifecycle:
         slot: int,
         timeout: int,
         private_memory: bool,
+        envd_in_background: bool,
     ) -> SandboxView:
         snap = source.snapshot
         workdir = self.sandboxes_dir / sandbox_id
@@ -271,10 +303,14 @@ class Lifecycle:
             )
             vm = await self.driver.restore(spec, snap.files, directory.vm_dir)
             phases.mark("restore")
-            await envd_client.init(
-                self.http, net.guest_address, env_vars=rec.env_vars, access_token=rec.envd_token
-            )
-            phases.mark("envd_init")
+            if not envd_in_background:
+                await envd_client.init(
+                    self.http,
+                    net.guest_address,
+                    env_vars=rec.env_vars,
+                    access_token=rec.envd_token,
+                )
+                phases.mark("envd_init")
             if mounts:
                 await self.volumes.mount_in_guest(
                     self.http, net.guest_address, rec.envd_token, mounts
@@ -293,11 +329,14 @@ class Lifecycle:
         end_at = utcnow() + timedelta(seconds=timeout)
         self.store.transition(sandbox_id, S.CREATING, S.RUNNING, end_at=end_at)
         rec.state, rec.end_at = S.RUNNING, end_at
+        if envd_in_background:
+            self._settle(rec, net.guest_address, first=True)
         log.info("sandbox %s running (from %s) in %s", sandbox_id, rec.template_id, phases)
         return self.view(rec)
 
     # -- pause -----------------------------------------------------------------------
     async def pause(self, sandbox_id: str, memory: bool) -> SandboxView:
+        await self.envd_settled(sandbox_id)
         rec = self.existing(sandbox_id)
         if rec.state == S.PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already paused")
@@ -488,9 +527,11 @@ class Lifecycle:
         log.info("sandbox %s resumed in %s", sandbox_id, phases)
         return self.view(rec)
 
-    def _settle(self, rec: SandboxRecord, guest_address: str) -> None:
-        """Re-initialise envd after a restore (clock, entropy reseed, token), in the
-        background; traffic to the sandbox waits for it (:meth:`settling`)."""
+    def _settle(self, rec: SandboxRecord, guest_address: str, *, first: bool = False) -> None:
+        """Initialise envd after a restore (clock, entropy reseed, token), in the
+        background; traffic to the sandbox waits for it (:meth:`settling`). ``first``: a
+        new sandbox's, whose envd has no token of its own yet (a resumed one keeps the
+        token it was paused with), so if it fails the sandbox is refused traffic."""
 
         async def init() -> None:
             try:
@@ -500,8 +541,12 @@ class Lifecycle:
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
                 )
+                self._envd_failed.pop(rec.sandbox_id, None)
             except Exception as exc:
-                log.error("sandbox %s: envd /init after resume failed: %s", rec.sandbox_id, exc)
+                what = "start" if first else "resume"
+                log.error("sandbox %s: envd /init after %s failed: %s", rec.sandbox_id, what, exc)
+                if first:
+                    self._envd_failed[rec.sandbox_id] = str(exc)
             finally:
                 if self._settling.get(rec.sandbox_id) is task:
                     del self._settling[rec.sandbox_id]
@@ -517,6 +562,7 @@ class Lifecycle:
         await self.sync.forget(rec)
         self.leases.forget(rec)
         self.store.transition(sandbox_id, rec.state, S.KILLING)
+        self._envd_failed.pop(sandbox_id, None)
         settling = self._settling.pop(sandbox_id, None)
         if settling is not None:
             # A resume's envd re-initialisation: its guest is going, nothing to retry.
@@ -531,11 +577,12 @@ class Lifecycle:
             await self.machines.kill_leftover(SandboxDir(rec.workdir).vm_dir)
         phases.mark("vm")
         try:
-            await self.network.destroy(rec.slot)
+            await self.network.detach(rec.slot)
         except Exception as exc:
             # The VM is gone; what is left of the namespace is reclaimed at the next
             # start. The sandbox itself must not linger, half-killed.
             log.warning("sandbox %s: network teardown failed: %s", sandbox_id, exc)
+        self.slots.release_after(rec.slot, self.network.destroy(rec.slot))
         phases.mark("network")
         shutil.rmtree(rec.workdir, ignore_errors=True)
         self.store.delete_sandbox(sandbox_id)

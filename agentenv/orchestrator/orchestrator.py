@@ -147,7 +147,14 @@ class Orchestrator:
         # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
         # filter, on the host, per request.
         self.network.resolve_secrets_with(self.secrets.value)
-        self.volumes = Volumes(config.home / "volumes", config.node_name, self.catalog, self.store)
+        self.volumes = Volumes(
+            config.home / "volumes",
+            config.node_name,
+            self.catalog,
+            self.store,
+            self.http,
+            lambda slot: self.network.describe(slot).guest_address,
+        )
         self.templates = TemplateManager(
             config,
             self.store,
@@ -270,6 +277,7 @@ class Orchestrator:
         self.volumes.startup()
         self.templates.cleanup_staging()
         await self._recovery.run()
+        self.volumes.settle()
         self._sync.resume_unfinished()
         self._supervisor.every("reaper", REAP_INTERVAL_S, self._reap)
         if watch_handoffs:
@@ -304,6 +312,8 @@ class Orchestrator:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
+        await self.volumes.drain()
+        await self._slots.drain()
         await self._machines.close_all()
         self._resharing.shutdown()
         await self.http.aclose()
@@ -452,10 +462,8 @@ class Orchestrator:
             for task in self._operations.pending(sandbox_id):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(task)
-        settling = self._lifecycle.settling(sandbox_id)
-        if settling is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(settling)
+        await self._lifecycle.envd_settled(sandbox_id)
+        self._lifecycle.check_envd(sandbox_id)
         current = self.store.get_sandbox(sandbox_id)
         if current is None or current.state not in VISIBLE_STATES:
             raise SandboxNotFound(sandbox_id)
@@ -476,10 +484,13 @@ class Orchestrator:
         auto_pause: bool = False,
         auto_resume: bool = False,
         volume_mounts: Sequence[Requested] = (),
+        envd_in_background: bool = False,
     ) -> SandboxView:
         """A new sandbox from a template or snapshot. ``network`` defaults to the most
         closed options (nothing leaves but DNS). ``volume_mounts`` are volumes (by name)
-        mounted at paths in the guest (see :mod:`.volumes`)."""
+        mounted at paths in the guest (see :mod:`.volumes`). ``envd_in_background``:
+        answer once the machine runs, envd's /init following (see
+        :meth:`Lifecycle.create`); a caller that talks to envd itself next leaves it off."""
         self._free_space.check("create")
         timeout = self.timeouts.pick(timeout)
         source = await self._sources.resolve(template_id)
@@ -492,7 +503,9 @@ class Orchestrator:
             auto_resume=auto_resume,
             volume_mounts=tuple(volume_mounts),
         )
-        return await self._start(source, identity, timeout, private_memory=False)
+        return await self._start(
+            source, identity, timeout, private_memory=False, envd_in_background=envd_in_background
+        )
 
     async def create_from_machine(
         self, snapshot: MachineSnapshot, template_id: str, *, timeout: int, metadata: dict[str, str]
@@ -513,7 +526,13 @@ class Orchestrator:
         return await self._start(source, identity, timeout, private_memory=False)
 
     async def _start(
-        self, source: Source, identity: Identity, timeout: int, *, private_memory: bool
+        self,
+        source: Source,
+        identity: Identity,
+        timeout: int,
+        *,
+        private_memory: bool,
+        envd_in_background: bool = False,
     ) -> SandboxView:
         sandbox_id = new_sandbox_id()
         try:
@@ -521,7 +540,12 @@ class Orchestrator:
                 sandbox_id,
                 "create",
                 lambda: self._lifecycle.create(
-                    sandbox_id, source, identity, timeout, private_memory=private_memory
+                    sandbox_id,
+                    source,
+                    identity,
+                    timeout,
+                    private_memory=private_memory,
+                    envd_in_background=envd_in_background,
                 ),
                 join=False,
             )
@@ -623,6 +647,7 @@ class Orchestrator:
                 raise Conflict(f"a snapshot or template named {name!r} already exists")
 
         async def work() -> SnapshotView:
+            await self._lifecycle.envd_settled(sandbox_id)
             rec = self._lifecycle.existing(sandbox_id)
             if name is not None and replace_name:
                 existing = self.store.get_snapshot(name)
@@ -697,6 +722,7 @@ class Orchestrator:
         chosen = self.timeouts.pick(timeout)
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
+            await self._lifecycle.envd_settled(sandbox_id)
             rec = self._lifecycle.existing(sandbox_id)
             async with self._volumes_unmounted(rec):
                 image = await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
@@ -722,7 +748,12 @@ class Orchestrator:
         )
         try:
             results = await asyncio.gather(
-                *(self._start(source, identity, chosen, private_memory=True) for _ in range(count)),
+                *(
+                    self._start(
+                        source, identity, chosen, private_memory=True, envd_in_background=True
+                    )
+                    for _ in range(count)
+                ),
                 return_exceptions=True,
             )
         finally:

@@ -144,7 +144,9 @@ class SecretEntry(_Record):
 
 class VolumeEntry(_Record):
     """A volume (``catalog/volume/<id>``; its name is ``volume:<name>`` among the
-    repository's names). ``node`` holds the volume's image (see
+    repository's names). Its current image is ``blobs["image"]`` in the repository when
+    ``node`` is empty, else the local image of node ``node``, which has the writer's
+    claim (``claim:volume:<id>``) and publishes it when it lets go (see
     :mod:`agentenv.orchestrator.volumes`); ``token`` authorises the content API, and is
     given to whoever may read the volume's record (the API key holder)."""
 
@@ -153,3 +155,6 @@ class VolumeEntry(_Record):
     token: str
     node: str
     created_at: datetime
+    # {"image": digest} once published; the top-level "blobs" map is what the
+    # repository's garbage collection keeps.
+    blobs: dict[str, str] = Field(default_factory=dict)

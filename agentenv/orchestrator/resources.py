@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 from agentenv.config import Config
 from agentenv.network import NetworkManager, SandboxNetwork, pick_free_subnet
@@ -38,6 +39,7 @@ class Slots:
         self.store = store
         self.network = network
         self._reserved: set[int] = set()
+        self._releasing: set[asyncio.Task[None]] = set()
 
     def reserve(self) -> int:
         used = self.store.used_slots() | self._reserved
@@ -51,6 +53,31 @@ class Slots:
 
     def release(self, slot: int) -> None:
         self._reserved.discard(slot)
+
+    def release_after(self, slot: int, teardown: Coroutine[Any, Any, None]) -> None:
+        """Keep `slot` reserved while ``teardown`` (its network's removal) runs in the
+        background, then free it: a kill answers without waiting for the kernel to
+        delete a veth pair (10-20 ms of RCU grace periods), and no new sandbox is given
+        the slot before its old network is gone. A teardown that fails leaves the slot
+        free: the next create on it removes leftovers first, as does the next start."""
+        self._reserved.add(slot)
+
+        async def run() -> None:
+            try:
+                await teardown
+            except Exception as exc:
+                log.warning("network slot %d: teardown failed: %s", slot, exc)
+            finally:
+                self._reserved.discard(slot)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"release slot {slot}")
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def drain(self) -> None:
+        """Wait for every background teardown (at shutdown: nothing is left half-removed)."""
+        while self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
 
 
 #: States in which a sandbox has a VMM holding its guest RAM (a paused one has none).

@@ -113,6 +113,8 @@ class TagView:
     tag: str
     build_id: str
     assigned_at: datetime
+    # When the build was committed (a build is created and finished by its commit here).
+    build_created_at: datetime
 
 
 class TemplateTags:
@@ -138,6 +140,12 @@ class TemplateTags:
         default = await self.catalog.resolve_tag(name, DEFAULT_TAG)
         return default is not None or bool(await self.catalog.tags(name))
 
+    async def default_build(self, name: str) -> str | None:
+        """The record id of the build template ``name`` starts (its ``default`` tag),
+        or ``None`` when no build has it."""
+        entry = await self.catalog.resolve_tag(name, DEFAULT_TAG)
+        return None if entry is None else entry.id
+
     async def listing(self, key: str) -> list[TagView]:
         """Every tag of the template ``key`` refers to whose build is still there,
         ``default`` included when it points at one."""
@@ -145,11 +153,13 @@ class TemplateTags:
         views: list[TagView] = []
         default = await self.catalog.resolve_tag(name, DEFAULT_TAG)
         if default is not None:
-            views.append(TagView(DEFAULT_TAG, _build_id(default), default.created_at))
+            views.append(
+                TagView(DEFAULT_TAG, _build_id(default), default.created_at, default.created_at)
+            )
         for tag in await self.catalog.tags(name):
             entry = await self.catalog.resolve_tag(name, tag.tag)
             if entry is not None:
-                views.append(TagView(tag.tag, _build_id(entry), tag.assigned_at))
+                views.append(TagView(tag.tag, _build_id(entry), tag.assigned_at, entry.created_at))
         return views
 
     async def assign(self, target: str, tags: list[str]) -> tuple[str, list[str]]:

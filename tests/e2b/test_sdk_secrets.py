@@ -9,8 +9,10 @@ import contextlib
 import secrets
 import socket
 import sqlite3
+import ssl
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from e2b import (
@@ -27,6 +29,7 @@ from agentenv.config import Config
 from agentenv.network.addresses import GUEST_GATEWAY
 from tests.e2b.support import sdk_opts
 from tests.helpers import ServerProcess
+from tests.local_ca import make_local_ca
 
 VALUE = "sk-e2b-secret-" + secrets.token_hex(12)
 
@@ -114,12 +117,14 @@ def _netns_of(server: ServerProcess, sandbox_id: str) -> str:
 
 
 @contextlib.contextmanager
-def _recording_server(namespace: str) -> Iterator[list[bytes]]:
-    """An HTTP server on ``GUEST_GATEWAY:80`` in `namespace`; yields the request heads
-    it received."""
+def _recording_server(
+    namespace: str, port: int = 80, tls: ssl.SSLContext | None = None
+) -> Iterator[list[bytes]]:
+    """An HTTP server (HTTPS with ``tls``) on ``GUEST_GATEWAY:port`` in `namespace`;
+    yields the request heads it received."""
     listener = netns.create_socket(namespace, socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((GUEST_GATEWAY, 80))
+    listener.bind((GUEST_GATEWAY, port))
     listener.listen(8)
     heads: list[bytes] = []
 
@@ -129,6 +134,13 @@ def _recording_server(namespace: str) -> Iterator[list[bytes]]:
                 conn, _ = listener.accept()
             except OSError:
                 return
+            if tls is not None:
+                conn.settimeout(10)
+                try:
+                    conn = tls.wrap_socket(conn, server_side=True)
+                except OSError:
+                    conn.close()
+                    continue  # a handshake that failed: serve the next one
             with conn:
                 conn.settimeout(10)
                 data = b""
@@ -161,9 +173,11 @@ def _authorization(heads: list[bytes]) -> list[str]:
 
 
 GUEST_REQUEST = """
-import sys, urllib.request
+import ssl, sys, urllib.request
 request = urllib.request.Request(sys.argv[1], headers={"Authorization": "guest-made"})
-print(urllib.request.urlopen(request, timeout=20).read().decode())
+# The HTTPS case's server has a throw-away certificate the guest has no reason to trust.
+context = ssl._create_unverified_context()
+print(urllib.request.urlopen(request, timeout=20, context=context).read().decode())
 """
 
 
@@ -227,3 +241,39 @@ def test_rule_header_reaches_the_server_but_never_the_guest(
     with e2b_server.client() as client:
         refused_create = client.post("/v2/sandboxes", json=body)
     assert refused_create.status_code == 400 and "missing" in refused_create.text
+
+
+@pytest.mark.vm
+def test_rule_headers_are_not_added_to_https(
+    e2b: E2B, e2b_server: ServerProcess, tmp_path: Path
+) -> None:
+    """HTTPS to a rule's host is relayed untouched: no TLS interception, so the rule's
+    headers are not added (the README says so), the guest's own request arrives as it
+    sent it, and the secret is in nothing that leaves."""
+    name = "tls-" + secrets.token_hex(4)
+    e2b.Secret.create(name, VALUE)
+    header = {"Authorization": f"Bearer {Secret.fill(name)}"}
+    sbx = e2b.Sandbox.create(
+        timeout=180,
+        allow_internet_access=False,
+        network={
+            "allow_out": [GUEST_GATEWAY],
+            "rules": {GUEST_GATEWAY: [{"transform": {"headers": header}}]},
+        },
+    )
+    ca = make_local_ca(tmp_path / "ca", "rule.test")
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(ca.server_cert, ca.server_key)
+    try:
+        sbx.files.write("/tmp/fetch.py", GUEST_REQUEST)
+        namespace = _netns_of(e2b_server, sbx.sandbox_id)
+        with _recording_server(namespace, 443, tls) as heads:
+            result = sbx.commands.run(
+                f"python3 /tmp/fetch.py https://{GUEST_GATEWAY}/probe", timeout=60
+            )
+            assert result.stdout.strip() == "recorded"
+            assert _authorization(heads) == ["guest-made"]
+            assert all(VALUE.encode() not in head for head in heads)
+    finally:
+        sbx.kill()
+        e2b.Secret.destroy(name)

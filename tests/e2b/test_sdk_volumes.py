@@ -1,7 +1,8 @@
 """Volumes through the official SDK (``Volume`` / ``AsyncVolume``, the content API at
 ``E2B_VOLUME_API_URL``, ``Sandbox.create(volume_mounts=...)``), sync and async: a
-volume's files persist from one sandbox to the next and through pause and resume, and
-the one-writer rule answers 409."""
+volume's files persist from one sandbox to the next and through pause and resume, the
+content API reaches them through the running sandbox that mounts the volume, and the
+one-writer rule answers 409."""
 
 from __future__ import annotations
 
@@ -96,14 +97,43 @@ def test_mount_persists_across_sandboxes_and_pause(
             e2b.Sandbox.create(timeout=60, volume_mounts={"/data": volume.name})
         with pytest.raises(VolumeException):
             e2b.Volume.destroy(volume.volume_id)
-        with pytest.raises(VolumeException):
-            volume.read_file("/first.txt")
+        # The content API works while the sandbox runs, through its guest: both see
+        # the same files at once.
+        assert volume.read_file("/first.txt") == "from-first\n"
+        made = volume.write_file("/while-mounted/w.txt", "from the API", force=True)
+        assert (made.size, made.uid) == (12, 1000)
+        assert first.commands.run("cat /data/while-mounted/w.txt").stdout == "from the API"
+        blob = secrets.token_bytes(1 << 20)
+        volume.write_file("/while-mounted/blob.bin", blob)
+        assert volume.read_file("/while-mounted/blob.bin", format="bytes") == blob
+        assert b"".join(volume.read_file("/first.txt", format="stream")) == b"from-first\n"
+        assert {e.name for e in volume.list("/while-mounted")} == {"w.txt", "blob.bin"}
+        assert volume.make_dir("/while-mounted/sub").type.value == "directory"
+        assert volume.update_metadata("/while-mounted/w.txt", mode=0o600).mode == 0o600
+        volume.remove("/while-mounted")
+        assert not volume.exists("/while-mounted") and volume.exists("/first.txt")
+        gone = first.commands.run("test -e /data/while-mounted || echo gone")
+        assert gone.stdout == "gone\n"
+        with pytest.raises(NotFoundException):
+            volume.read_file("/nope.txt")
+        # Paths stay inside the volume, even through links the guest made.
+        first.commands.run("ln -s /etc /data/escape")
+        with pytest.raises(VolumeException, match="outside"):
+            volume.read_file("/escape/passwd")
+        volume.remove("/escape")
         first.pause()
         with pytest.raises(VolumeException):
             e2b.Volume.destroy(volume.volume_id)  # a paused sandbox still holds it
+        with pytest.raises(VolumeException, match="paused"):
+            volume.read_file("/first.txt")  # its guest is not running: 409
         resumed = Sandbox.connect(first.sandbox_id, **sdk_opts(e2b_server))
         assert resumed.commands.run("cat /data/first.txt").stdout == "from-first\n"
         resumed.commands.run("echo after-resume >> /data/first.txt")
+        assert volume.read_file("/first.txt") == "from-first\nafter-resume\n"
+        # A guest that unmounted the volume has no files of it to give: 409.
+        resumed.commands.run("umount /data", user="root")
+        with pytest.raises(VolumeException, match="no longer has it mounted"):
+            volume.read_file("/first.txt")
     finally:
         first.kill()
     assert volume.read_file("/first.txt") == "from-first\nafter-resume\n"
@@ -159,6 +189,11 @@ def test_async_volume_and_mount(e2b: E2B) -> None:
                 assert out.stdout == "async"
                 with pytest.raises(VolumeException):
                     await e2b.AsyncVolume.destroy(vol.volume_id)
+                # The content API, through the running sandbox.
+                assert await vol.read_file("/y.txt") == "more\n"
+                await vol.write_file("/z.txt", "from the API")
+                assert (await sbx.files.read("/data/z.txt")) == "from the API"
+                assert {e.name for e in await vol.list("/")} >= {"x.txt", "y.txt", "z.txt"}
             finally:
                 await sbx.kill()
             assert await vol.read_file("/y.txt") == "more\n"
