@@ -209,6 +209,20 @@ class Config(BaseModel):
     # Memory a confined VMM may use beyond its guest's RAM (QEMU itself, its TCG
     # translation cache, device buffers), in MiB; its cgroup's memory limit.
     vmm_memory_overhead_mib: int = Field(default=256, ge=32)
+    # Whether guests whose RAM is a file of their own give freed pages back to the host
+    # (virtio-balloon free page reporting). Their fork children then get RAM files of
+    # their own too (a clone of the fork image) instead of sharing its page cache: a
+    # sandbox that freed 200 MiB went from 369 to 132 MiB PSS, a fork child from 83 to
+    # 104 (bench/memory.py), and 16 children starting at once on a loaded 2-core TCG host
+    # missed envd's 30 s /init deadline. Off by default for that; applies to templates
+    # built while it is on (see docs/architecture.md, "Guest memory").
+    free_page_reporting: bool = False
+    # QEMU's TCG translation cache, in MiB (``-accel tcg,tb-size=N``; ignored under KVM).
+    # Translated code stays resident, so this caps what a sandbox that ran code keeps
+    # while idle; too small and the guest's code is retranslated over and over
+    # (bench/tcg_cache.py: 8 and 16 MiB made `python3 -c 'import json'` 2-5x slower,
+    # 48 MiB was as fast as the 64 MiB used before and kept 25 MiB less after work).
+    tcg_tb_size_mib: int = Field(default=48, ge=1, le=2048)
     # Threads a confined VMM may have (its cgroup's pids limit).
     vmm_pids_max: int = Field(default=512, ge=16)
     # Remount the host's cgroup2 hierarchy with favordynmods at start-up: moving each VMM

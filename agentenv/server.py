@@ -64,7 +64,11 @@ def choose_runtime(config: Config) -> NodeRuntime:
         if config.vmm == "firecracker":
             why = "no Firecracker binary found" if binary is None else probe.reason
             raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
-    driver = QemuDriver(confinement=vmm_confinement(config), console_limit=config.console_log_bytes)
+    driver = QemuDriver(
+        tb_size_mib=config.tcg_tb_size_mib,
+        confinement=vmm_confinement(config),
+        console_limit=config.console_log_bytes,
+    )
     return NodeRuntime(driver, probe.accel, probe.reason)
 
 

@@ -72,7 +72,12 @@ from agentenv.network.addresses import GUEST_MAC, TAP_NAME
 from agentenv.storage.volumes import make_empty_slot
 from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec
 from agentenv.vmm.qemu import QemuDriver
-from agentenv.vmm.qemu_vm import machine_of_snapshot, qmp_socket_path
+from agentenv.vmm.qemu_vm import (
+    balloon_of_snapshot,
+    machine_of_snapshot,
+    qmp_socket_path,
+    reports_free_pages,
+)
 from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -431,8 +436,14 @@ def _bare_argv(
         accel=files["accel"],
         net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC) if files["shape"].get("net") else None,
     )
-    machine = machine_of_snapshot(files.get("meta", {}))
-    return QemuDriver().build_argv(spec, workdir, incoming=True, machine=machine)
+    meta = files.get("meta", {})
+    return QemuDriver(tb_size_mib=Config().tcg_tb_size_mib).build_argv(
+        spec,
+        workdir,
+        incoming=True,
+        machine=machine_of_snapshot(meta),
+        balloon=balloon_of_snapshot(meta),
+    )
 
 
 async def bare_restore(
@@ -453,7 +464,14 @@ async def bare_restore(
     workdir.mkdir(parents=True, exist_ok=True)
     overlay = workdir / "disk.qcow2"
     memory = memory_file or Path(files["memory_file"])
+    # The balloon the snapshot was made with (agentenv.vmm.qemu_vm); one that reports
+    # free pages has them punched out of the RAM file, so it gets a clone of its own.
+    balloon = balloon_of_snapshot(files.get("meta", {}))
     t0 = time.perf_counter()
+    if reports_free_pages(balloon) and not share:
+        clone = workdir / "memory.raw"
+        await _run_tool("cp", "--reflink=auto", "--sparse=always", str(memory), str(clone))
+        memory, share = clone, True
     await _run_tool(
         "qemu-img",
         "create",

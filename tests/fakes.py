@@ -36,6 +36,7 @@ from agentenv.storage.images import create_overlay
 from agentenv.vmm.base import (
     MachineSpec,
     SnapshotFiles,
+    SnapshotIncompatible,
     VirtualMachine,
     VMMCommandError,
     VMMDriver,
@@ -131,6 +132,7 @@ class FakeVM(VirtualMachine):
             state_file=state_file,
             memory_file=self.spec.memory_file if self.spec.memory_shared else None,
             shape=self.spec.shape(),
+            meta={"reports_free_pages": self.spec.report_free_pages},
         )
 
     async def seal_drive(self, drive_id: str, sealed: Path, new_top: Path) -> None:
@@ -277,10 +279,19 @@ class FakeDriver(VMMDriver):
             raise VMMStartError(f"state file {snapshot.state_file} does not exist")
         if snapshot.memory_file is not None and not spec.memory_file.exists():
             raise VMMStartError(f"memory file {spec.memory_file} does not exist")
+        # As QEMU's balloon: a restore keeps the snapshot's, and one that reports free
+        # pages never maps a file privately.
+        reports = self.needs_own_memory(snapshot)
+        if reports and not spec.memory_shared:
+            raise SnapshotIncompatible("a reporting guest cannot map RAM privately")
+        spec = replace(spec, report_free_pages=reports)
         vm = self._start(spec, workdir, snapshot.state_file)
         if not resume:
             vm._set(state=VMRunState.PAUSED.value)
         return vm
+
+    def needs_own_memory(self, snapshot: SnapshotFiles) -> bool:
+        return bool(snapshot.meta.get("reports_free_pages"))
 
     async def attach(self, workdir: Path) -> VirtualMachine:
         self.calls.append(("attach", workdir))

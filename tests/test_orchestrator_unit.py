@@ -337,6 +337,42 @@ async def test_fork_children_record_their_parent(node: Node) -> None:
     assert not image_rec.snapshot_dir.exists()
 
 
+@pytest.mark.parametrize("reporting", [True, False])
+async def test_fork_children_of_a_guest_that_reports_free_pages_get_ram_of_their_own(
+    tmp_path: Path, reporting: bool
+) -> None:
+    # Its driver would punch the pages the guest frees out of a fork image the children
+    # all mapped privately. With free_page_reporting off, children share the image.
+    node = await start_node(
+        tmp_path / "a",
+        tmp_path / "repository",
+        sandbox_memory="file",
+        configure=lambda c: c.model_copy(update={"free_page_reporting": reporting}),
+    )
+    orch = node.orchestrator
+    try:
+        parent = await orch.create(FAKE_TEMPLATE)
+        assert parent.record.memory_mode == "shared"
+        # The fake template was made without the feature: its sandboxes do not report,
+        # and their children map the fork image privately.
+        (child,) = await orch.fork(parent.sandbox_id, count=1)
+        assert isinstance(child, SandboxView) and child.record.memory_mode == "private"
+        # A boot (the resume of a filesystem-only pause) of a sandbox with RAM of its own
+        # has it.
+        await orch.pause(parent.sandbox_id, memory=False)
+        await orch.resume(parent.sandbox_id)
+        (child,) = await orch.fork(parent.sandbox_id, count=1)
+        mode = "shared" if reporting else "private"
+        assert isinstance(child, SandboxView) and child.record.memory_mode == mode
+        # Its children too: the child's own snapshots keep the balloon (a private
+        # child's stream RAM, which lands in a file of the grandchild's own anyway).
+        (grandchild,) = await orch.fork(child.sandbox_id, count=1)
+        assert isinstance(grandchild, SandboxView)
+        assert grandchild.record.memory_mode == "shared"
+    finally:
+        await node.stop()
+
+
 async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """A create with ``envd_in_background`` answers before envd's /init; traffic, pause,
     snapshot and fork wait for it; a sandbox whose first /init failed takes no traffic

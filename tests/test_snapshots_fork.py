@@ -378,9 +378,10 @@ def test_failed_snapshot_and_pause_leave_the_sandbox_running(server: ServerProce
 
 
 def test_fork_children_pause_snapshot_and_fork_again(server: ServerProcess) -> None:
-    """A fork child's RAM is a private mapping of its parent's image: pausing it streams
-    RAM (and it comes back with a file of its own), and it can be snapshotted and forked
-    like any sandbox."""
+    """A fork child's RAM is a private mapping of its parent's image (or, where its guest
+    gives freed pages back, a clone of it): pausing it streams RAM or saves device state,
+    it comes back with a file of its own, and it can be snapshotted and forked like any
+    sandbox."""
     with server.client() as c:
         parent = create_sandbox_id(c, timeout=300)
         made = [parent]

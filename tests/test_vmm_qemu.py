@@ -50,9 +50,13 @@ from agentenv.vmm.confine import Confinement, VmmJail
 from agentenv.vmm.process import read_cmdline
 from agentenv.vmm.qemu import QemuDriver
 from agentenv.vmm.qemu_vm import (
+    BALLOON,
+    LEGACY_BALLOON,
     LEGACY_MACHINE,
     MACHINE,
     QemuVM,
+    balloon_of_argv,
+    balloon_of_snapshot,
     machine_of_argv,
     machine_of_snapshot,
 )
@@ -198,6 +202,51 @@ def test_machine_options_of_snapshots_and_command_lines(tmp_path: Path) -> None:
     for machine in (MACHINE, LEGACY_MACHINE):
         argv = driver.build_argv(_plain_spec(tmp_path), tmp_path / "w", machine=machine)
         assert machine_of_argv(argv) == machine
+
+
+def test_balloon_follows_the_spec_at_boot_and_the_snapshot_at_restore(tmp_path: Path) -> None:
+    driver = QemuDriver()
+    plain = driver.build_argv(_plain_spec(tmp_path), tmp_path / "w")
+    reporting = driver.build_argv(_plain_spec(tmp_path, report_free_pages=True), tmp_path / "w")
+    assert "-device virtio-balloon-device -chardev" in " ".join(plain)
+    assert "-device virtio-balloon-device,free-page-reporting=on -chardev" in " ".join(reporting)
+    assert balloon_of_argv(plain) == LEGACY_BALLOON
+    assert balloon_of_argv(reporting) == BALLOON
+    # A restore passes the snapshot's balloon, whatever the spec says.
+    restore = driver.build_argv(
+        _plain_spec(tmp_path, report_free_pages=True), tmp_path / "w", balloon=LEGACY_BALLOON
+    )
+    assert balloon_of_argv(restore) == LEGACY_BALLOON
+    assert balloon_of_snapshot({"balloon": BALLOON}) == BALLOON
+    # Snapshots from before free page reporting recorded no balloon.
+    assert balloon_of_snapshot({}) == LEGACY_BALLOON
+    with pytest.raises(SnapshotIncompatible, match="balloon"):
+        balloon_of_snapshot({"balloon": "virtio-balloon-device,free-page-hint=on"})
+
+
+async def test_a_guest_that_reports_free_pages_never_maps_ram_privately(tmp_path: Path) -> None:
+    spec = _plain_spec(tmp_path, report_free_pages=True)
+    assert MachineSpec.from_dict(spec.to_dict()) == spec
+    # Records written before the field have none.
+    legacy = {k: v for k, v in spec.to_dict().items() if k != "report_free_pages"}
+    assert MachineSpec.from_dict(legacy) == replace(spec, report_free_pages=False)
+
+    state = tmp_path / "state.mig"
+    state.write_bytes(b"x")
+    memory = tmp_path / "ram"
+    memory.write_bytes(b"")
+    os.truncate(memory, spec.memory_mib * 1024 * 1024)
+    private = replace(spec, memory_shared=False, report_free_pages=False)
+    reporting = SnapshotFiles("qemu", "tcg", state, memory, spec.shape(), {"balloon": BALLOON})
+    driver = QemuDriver()
+    assert driver.needs_own_memory(reporting)
+    assert not driver.needs_own_memory(replace(reporting, meta={}))
+    # QEMU 7.2 would punch the guest's freed pages out of a file others map too.
+    with pytest.raises(SnapshotIncompatible, match="privately"):
+        await driver.restore(private, reporting, tmp_path / "w")
+    with pytest.raises(VMMStartError, match="memory_shared"):
+        await driver.boot(replace(spec, memory_shared=False), tmp_path / "w")
+    assert not (tmp_path / "w").exists()
 
 
 def test_argv_kvm_restore_and_private_ram(tmp_path: Path) -> None:
@@ -799,6 +848,52 @@ async def test_snapshots_restore_into_the_machine_they_were_made_on(lab: Lab) ->
         await back.close()
         back = await lab.driver.attach(lab.root / "legacy-back")
         assert back.machine == LEGACY_MACHINE
+    finally:
+        await back.kill()
+
+
+@vm_test
+async def test_snapshots_restore_into_the_balloon_they_were_made_with(lab: Lab) -> None:
+    assert lab.shared_snapshot is not None
+    # Machines that do not ask for free page reporting have the balloon all had before.
+    assert lab.shared_snapshot.meta["balloon"] == LEGACY_BALLOON
+    spec = replace(
+        lab.child_spec("reporting", "REPORTING", lab.root / "reporting.ram", shared=True),
+        report_free_pages=True,
+    )
+    vm = await lab.driver.boot(spec, lab.root / "reporting")
+    try:
+        assert vm.balloon == BALLOON
+        assert BALLOON in read_cmdline(vm.pid)
+        await _wait_lines(vm.console_log, 1)
+        snapshot = await vm.save_state(lab.root / "snap-reporting")
+    finally:
+        await vm.kill()
+    assert snapshot.meta["balloon"] == BALLOON
+    token, last, _ = _ready_lines(vm.console_log)[-1]
+
+    # Never into a private mapping: QEMU would punch freed pages out of a shared file.
+    with pytest.raises(SnapshotIncompatible, match="privately"):
+        await lab.driver.restore(
+            replace(spec, memory_shared=False), snapshot, lab.root / "reporting-private"
+        )
+    copy = lab.root / "reporting-copy.ram"
+    _run("cp", "--sparse=always", str(spec.memory_file), str(copy))
+    back_spec = replace(spec, memory_file=copy, report_free_pages=False)
+    # The guest negotiated free page reporting: a balloon without it cannot take the
+    # stream...
+    wrong = replace(snapshot, meta={**snapshot.meta, "balloon": LEGACY_BALLOON})
+    with pytest.raises(VMMStartError, match="restoring"):
+        await lab.driver.restore(back_spec, wrong, lab.root / "reporting-wrong")
+    # ...the balloon it recorded can (whatever the spec asks of a boot), and a
+    # re-attached handle knows which one it runs.
+    back = await lab.driver.restore(back_spec, snapshot, lab.root / "reporting-back")
+    try:
+        lines = await _wait_lines(back.console_log, 1)
+        assert lines[0][0] == token and lines[0][1] == last + 1
+        await back.close()
+        back = await lab.driver.attach(lab.root / "reporting-back")
+        assert back.balloon == BALLOON
     finally:
         await back.kill()
 

@@ -11,6 +11,10 @@ Memory: on a node whose data directory can reflink (XFS, btrfs), a sandbox's RAM
 of its own (``memory.raw``, a clone of the template's, mapped shared): pausing it writes
 device state only and resuming maps the same file again. Otherwise, and for fork children,
 RAM is a private copy-on-write mapping of the source's image, and pausing streams RAM.
+A sandbox with RAM of its own gives the pages its guest frees back to the host
+(``MachineSpec.report_free_pages``, unless ``free_page_reporting`` is off); a snapshot
+of it, fork images included, is restored only with RAM of its own
+(``VMMDriver.needs_own_memory``).
 """
 
 from __future__ import annotations
@@ -125,6 +129,9 @@ class Lifecycle:
         self.boot_timeout = boot_timeout
         # Whether new sandboxes get RAM files of their own (decided at startup).
         self.own_memory_files = False
+        #: Whether a sandbox booted with RAM of its own gives freed pages back (set by
+        #: the orchestrator at startup).
+        self.report_free_pages = False
         # envd /init after a resume, which traffic to the sandbox waits for.
         self._settling: dict[str, asyncio.Task[None]] = {}
         # Sandboxes whose first envd /init failed, and why (see check_envd).
@@ -205,8 +212,13 @@ class Lifecycle:
         snap = source.snapshot
         workdir = self.sandboxes_dir / sandbox_id
         directory = SandboxDir(workdir)
+        # A guest that gives freed pages back has them punched out of its RAM file, so
+        # it never maps a file others map (a fork image, on any node; a template, on a
+        # node without reflinks, where the file is copied).
         own_memory = self.driver.shared_memory_boot and (
-            snap.files.memory_file is None or (self.own_memory_files and not private_memory)
+            snap.files.memory_file is None
+            or (self.own_memory_files and not private_memory)
+            or self.driver.needs_own_memory(snap.files)
         )
         mounts = await self.volumes.hold(sandbox_id, identity.volume_mounts, volume_slots(snap))
         now = utcnow()
@@ -280,7 +292,14 @@ class Lifecycle:
                 # memory; the source image is shared through the page cache.
                 memory = snap.files.memory_file
             spec = self.machines.spec(
-                snap, disk, fmt, memory, own_memory, net.netns, self.volumes.images(mounts)
+                snap,
+                disk,
+                fmt,
+                memory,
+                own_memory,
+                net.netns,
+                self.volumes.images(mounts),
+                report_free_pages=self.report_free_pages,
             )
             vm = await self.driver.restore(spec, snap.files, directory.vm_dir)
             phases.mark("restore")
@@ -462,7 +481,14 @@ class Lifecycle:
             net = await self.leases.take(rec)
             phases.mark("network")
             spec = self.machines.spec(
-                snap, disk, fmt, memory, shared, net.netns, self.volumes.images(rec.volumes)
+                snap,
+                disk,
+                fmt,
+                memory,
+                shared,
+                net.netns,
+                self.volumes.images(rec.volumes),
+                report_free_pages=self.report_free_pages,
             )
             if files is not None:
                 vm = await self.driver.restore(spec, files, vm_dir)

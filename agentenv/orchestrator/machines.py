@@ -184,6 +184,8 @@ class Machines:
         memory_shared: bool,
         netns: str,
         volumes: Mapping[int, Path] | None = None,
+        *,
+        report_free_pages: bool = False,
     ) -> MachineSpec:
         """The machine a sandbox of snapshot ``snap`` runs as: every restore of it
         (create, resume) must present the same shape. A snapshot taken with volume
@@ -210,6 +212,8 @@ class Machines:
             ),
             memory_file=memory_file,
             memory_shared=memory_shared,
+            # A boot's (a restore keeps its snapshot's).
+            report_free_pages=report_free_pages and memory_shared,
             accel=self.accel,
             net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=netns),
         )

@@ -262,6 +262,8 @@ class Orchestrator:
         own = self._lifecycle.own_memory_files = self.driver.shared_memory_boot and (
             wanted == "file" or (wanted == "auto" and reflinks)
         )
+        reporting = own and self.config.free_page_reporting
+        self.templates.report_free_pages = self._lifecycle.report_free_pages = reporting
         log.info(
             "data directory %s %s reflinks: sandbox RAM is %s",
             self.config.home,

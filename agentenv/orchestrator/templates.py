@@ -112,6 +112,10 @@ class TemplateManager:
         self._images: dict[str, asyncio.Task[MachineSnapshot]] = {}
         self._interpreter_rootfs: dict[str, InterpreterRootfs] = {}
         self.last_error: str | None = None
+        #: Whether templates' guests give freed pages back: only where every sandbox
+        #: restores them with RAM of its own (set by the orchestrator at startup), since
+        #: the guest's freed pages are punched out of whatever file its RAM maps.
+        self.report_free_pages = False
 
     # -- lookup ----------------------------------------------------------------------
     async def get(self, template_id: str) -> Template:
@@ -319,6 +323,7 @@ class TemplateManager:
                 ),
                 memory_file=staging / "memory.raw",
                 memory_shared=self.driver.shared_memory_boot,
+                report_free_pages=self.driver.shared_memory_boot and self.report_free_pages,
                 accel=self.accel,
                 net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC, netns=net.netns),
             )

@@ -77,6 +77,11 @@ class MachineSpec:
     file *is* the guest's RAM and a snapshot needs only device state; without it the file
     is mapped privately (copy-on-write), which is how many sandboxes share one template
     image without touching it.
+
+    ``report_free_pages`` (a boot's; a restore gets what its snapshot was made with): the
+    guest hands the pages it frees back to the host, which drops them from
+    ``memory_file`` (punches holes in it), so it needs ``memory_shared``: a file mapped
+    privately is others' RAM too.
     """
 
     vcpus: int
@@ -89,6 +94,7 @@ class MachineSpec:
     accel: Literal["tcg", "kvm"]
     initrd: Path | None = None
     net: NetSpec | None = None
+    report_free_pages: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as JSON-ready values: a VMM's record of what it runs, read back by
@@ -116,6 +122,7 @@ class MachineSpec:
                 if self.net
                 else None
             ),
+            "report_free_pages": self.report_free_pages,
         }
 
     @classmethod
@@ -140,6 +147,7 @@ class MachineSpec:
             accel=data["accel"],
             initrd=Path(data["initrd"]) if data.get("initrd") else None,
             net=NetSpec(tap=net["tap"], mac=net["mac"], netns=net.get("netns")) if net else None,
+            report_free_pages=bool(data.get("report_free_pages", False)),
         )
 
     def shape(self) -> dict[str, Any]:
@@ -381,6 +389,13 @@ class VMMDriver(ABC):
         """Start a new VMM process from ``snapshot`` (checked with
         :meth:`SnapshotFiles.check_compatible` first). The spec's drives and memory file
         may differ in path from the snapshotted machine's, not in shape."""
+
+    def needs_own_memory(self, snapshot: SnapshotFiles) -> bool:
+        """Whether a machine restored from ``snapshot`` must map RAM from a file of its
+        own (``memory_shared``) rather than privately from a file others map too: its
+        guest gives freed pages back (``MachineSpec.report_free_pages``), which takes
+        them out of the file."""
+        return False
 
     #: How the VMM's processes are recognised without a record (see :meth:`kill_strays`):
     #: the start of the executable's file name.

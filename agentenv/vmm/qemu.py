@@ -5,6 +5,10 @@ the file *is* guest RAM and a snapshot is only device state (migration capabilit
 ``x-ignore-shared``, tens of KiB, milliseconds). Mapped private, the file is a
 copy-on-write base that the guest never modifies, which is how many restored sandboxes
 share one template's RAM; such a machine's snapshot streams its RAM into the state file.
+A machine booted with ``spec.report_free_pages`` has a balloon with free page reporting,
+which QEMU 7.2 serves by punching the reported pages out of the file, whatever the
+mapping: its snapshots (which record the balloon, as they record the ``-M`` options) are
+restored only into a shared mapping (see :mod:`agentenv.vmm.qemu_vm`).
 
 Migration streams go through file descriptors passed over the QMP socket (``getfd`` +
 ``fd:``) rather than ``exec:cat``: QEMU 7.2 SIGTERMs the ``exec:`` helper as soon as the
@@ -55,8 +59,10 @@ from agentenv.vmm.console import CONSOLE_LIMIT_BYTES
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, launched_cmdline
 from agentenv.vmm.qemu_vm import (
+    BALLOON,
     CONSOLE_LOG,
     DRIVER_NAME,
+    LEGACY_BALLOON,
     MACHINE,
     PID_FILE,
     PROCESS_LOG,
@@ -65,12 +71,15 @@ from agentenv.vmm.qemu_vm import (
     QemuLaunch,
     QemuVM,
     await_migration,
+    balloon_of_argv,
+    balloon_of_snapshot,
     execute_qmp,
     logs_tail,
     machine_of_argv,
     machine_of_snapshot,
     pass_fd,
     qmp_socket_path,
+    reports_free_pages,
 )
 
 _QEMU_ID = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
@@ -143,7 +152,7 @@ class QemuDriver(VMMDriver):
     def __init__(
         self,
         qemu_binary: str = "qemu-system-x86_64",
-        tb_size_mib: int = 64,
+        tb_size_mib: int = 48,
         *,
         connect_timeout: float = 10.0,
         command_timeout: float = 30.0,
@@ -172,10 +181,14 @@ class QemuDriver(VMMDriver):
         *,
         incoming: bool = False,
         machine: str = MACHINE,
+        balloon: str | None = None,
     ) -> list[str]:
         """The QEMU command line for ``spec``. Boot and restore differ only in the trailing
         ``-S -incoming defer``: migration needs an identical device set on both ends, so a
-        restore passes the ``machine`` options its snapshot was made with."""
+        restore passes the ``machine`` options and ``balloon`` device its snapshot was
+        made with (a boot's balloon follows ``spec.report_free_pages``)."""
+        if balloon is None:
+            balloon = BALLOON if spec.report_free_pages else LEGACY_BALLOON
         mem = f"{spec.memory_mib}M"
         share = "on" if spec.memory_shared else "off"
         argv = [
@@ -186,6 +199,7 @@ class QemuDriver(VMMDriver):
             # arch-capabilities: PVM's /dev/kvm rejects MSR 0x10a (reference §9.8).
             argv += ["-accel", "kvm", "-cpu", "host,-arch-capabilities"]
         else:
+            # The translation cache is TCG's alone; see Config.tcg_tb_size_mib.
             argv += ["-accel", f"tcg,tb-size={self.tb_size_mib}", "-cpu", "max"]
         argv += [
             "-smp", str(spec.vcpus),
@@ -217,7 +231,7 @@ class QemuDriver(VMMDriver):
                 "-device", f"virtio-net-device,netdev=n0,mac={spec.net.mac}",
             ]  # fmt: skip
         argv += [
-            "-device", "virtio-balloon-device",
+            "-device", balloon,
             "-chardev", f"file,id=console,path={_opt_path(workdir / CONSOLE_LOG)},append=on",
             "-serial", "chardev:console",
             "-qmp", f"unix:{_opt_path(self._socket_path(workdir))},server=on,wait=off",
@@ -233,7 +247,18 @@ class QemuDriver(VMMDriver):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def needs_own_memory(self, snapshot: SnapshotFiles) -> bool:
+        try:
+            return reports_free_pages(balloon_of_snapshot(snapshot.meta))
+        except SnapshotIncompatible:
+            return False  # restore() says why
+
     async def boot(self, spec: MachineSpec, workdir: Path) -> QemuVM:
+        if spec.report_free_pages and not spec.memory_shared:
+            raise VMMStartError(
+                "report_free_pages needs memory_shared: QEMU would punch the freed pages "
+                f"out of {spec.memory_file}, which a private mapping shares with others"
+            )
         launch = await self._launch(spec, workdir, incoming=False)
         return self._handle(spec, workdir, launch, VMRunState.RUNNING)
 
@@ -257,7 +282,13 @@ class QemuDriver(VMMDriver):
                     f"snapshot's {spec.memory_mib} MiB of RAM"
                 )
         machine = machine_of_snapshot(snapshot.meta)
-        launch = await self._launch(spec, workdir, incoming=True, machine=machine)
+        balloon = balloon_of_snapshot(snapshot.meta)
+        if reports_free_pages(balloon) and not spec.memory_shared:
+            raise SnapshotIncompatible(
+                "the snapshot's guest reports free pages, which QEMU punches out of the "
+                f"RAM file: it cannot map {spec.memory_file} privately (others map it too)"
+            )
+        launch = await self._launch(spec, workdir, incoming=True, machine=machine, balloon=balloon)
         process, qmp = launch.process, launch.qmp
         timeout = self.command_timeout
         try:
@@ -345,6 +376,7 @@ class QemuDriver(VMMDriver):
             socket_path=socket_path,
             jail=jail,
             machine=machine_of_argv(argv),
+            balloon=balloon_of_argv(argv),
         )
         return self._handle(spec, workdir, launch, state)
 
@@ -365,13 +397,22 @@ class QemuDriver(VMMDriver):
             jail=launch.jail,
             console_limit=self.console_limit,
             machine=launch.machine,
+            balloon=launch.balloon,
         )
 
     async def _launch(
-        self, spec: MachineSpec, workdir: Path, *, incoming: bool, machine: str = MACHINE
+        self,
+        spec: MachineSpec,
+        workdir: Path,
+        *,
+        incoming: bool,
+        machine: str = MACHINE,
+        balloon: str | None = None,
     ) -> QemuLaunch:
         _prepare_workdir(spec, workdir)
-        qemu_argv = self.build_argv(spec, workdir, incoming=incoming, machine=machine)
+        qemu_argv = self.build_argv(
+            spec, workdir, incoming=incoming, machine=machine, balloon=balloon
+        )
         socket_path = self._socket_path(workdir)
         launch_spec = LaunchSpec(
             argv=tuple(qemu_argv),
@@ -425,7 +466,12 @@ class QemuDriver(VMMDriver):
                 raise
             raise VMMStartError(f"QEMU did not come up: {exc}\n{logs_tail(workdir)}") from exc
         return QemuLaunch(
-            process=process, qmp=qmp, socket_path=socket_path, jail=jail, machine=machine
+            process=process,
+            qmp=qmp,
+            socket_path=socket_path,
+            jail=jail,
+            machine=machine,
+            balloon=balloon_of_argv(qemu_argv),
         )
 
     def _confine(

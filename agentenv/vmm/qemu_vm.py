@@ -60,6 +60,19 @@ MACHINE = f"{MACHINE_TYPE},pit=off"
 #: restored into the same device set.
 LEGACY_MACHINE = MACHINE_TYPE
 KNOWN_MACHINES = (MACHINE, LEGACY_MACHINE)
+#: The balloon of a machine whose guest gives freed pages back
+#: (``MachineSpec.report_free_pages``): with ``free-page-reporting`` the guest kernel
+#: (CONFIG_PAGE_REPORTING, virtio_balloon loaded by the initramfs) reports free 2 MiB
+#: blocks a couple of seconds after they are freed, and QEMU discards them: a hole
+#: punched in the RAM file (page cache and disk blocks gone) and the mapping dropped.
+#: QEMU 7.2 punches that hole whatever the mapping, so a privately mapped file (a
+#: template's or fork image's, other machines' RAM too) must never be behind it.
+BALLOON = "virtio-balloon-device,free-page-reporting=on"
+#: The balloon without it: machines whose RAM is a private mapping, and every machine
+#: before. The feature is in the migration stream: a snapshot restores into the balloon
+#: it was made with.
+LEGACY_BALLOON = "virtio-balloon-device"
+KNOWN_BALLOONS = (BALLOON, LEGACY_BALLOON)
 # Effectively unthrottled: the default migration bandwidth cap slows a local save to a
 # crawl (reference §9.5).
 _MIGRATE_MAX_BANDWIDTH = 100 * 1024**3
@@ -131,6 +144,8 @@ class QemuLaunch:
     jail: VmmJail | None = None
     #: The ``-M`` options the process runs with.
     machine: str = MACHINE
+    #: Its balloon device's options.
+    balloon: str = LEGACY_BALLOON
 
 
 def machine_of_snapshot(meta: dict[str, Any]) -> str:
@@ -142,6 +157,27 @@ def machine_of_snapshot(meta: dict[str, Any]) -> str:
             f"snapshot was made on machine {machine!r}; this node runs {KNOWN_MACHINES}"
         )
     return str(machine)
+
+
+def balloon_of_snapshot(meta: dict[str, Any]) -> str:
+    """The balloon device a snapshot must be restored with (snapshots from before
+    :data:`BALLOON` recorded none)."""
+    balloon = meta.get("balloon", LEGACY_BALLOON)
+    if balloon not in KNOWN_BALLOONS:
+        raise SnapshotIncompatible(
+            f"snapshot was made with balloon {balloon!r}; this node runs {KNOWN_BALLOONS}"
+        )
+    return str(balloon)
+
+
+def reports_free_pages(balloon: str) -> bool:
+    return balloon == BALLOON
+
+
+def balloon_of_argv(argv: list[str]) -> str:
+    """The balloon device of a recorded command line (for a re-attached QEMU)."""
+    devices = (argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-device")
+    return next((d for d in devices if d.split(",")[0] == "virtio-balloon-device"), LEGACY_BALLOON)
 
 
 def machine_of_argv(argv: list[str]) -> str:
@@ -167,10 +203,13 @@ class QemuVM(VirtualMachine):
         jail: VmmJail | None = None,
         console_limit: int | None = None,
         machine: str = MACHINE,
+        balloon: str = LEGACY_BALLOON,
     ) -> None:
         self.spec = spec
         #: The ``-M`` options this QEMU runs with; its snapshots need the same.
         self.machine = machine
+        #: Its balloon device's options; its snapshots need the same.
+        self.balloon = balloon
         self._balloon_path: str | None = None
         self._stats_every_s: int | None = None
         self.workdir = workdir
@@ -282,6 +321,7 @@ class QemuVM(VirtualMachine):
                 "qemu_version": f"{qemu['major']}.{qemu['minor']}.{qemu['micro']}",
                 "qemu_package": version.get("package", ""),
                 "machine": self.machine,
+                "balloon": self.balloon,
             },
         )
 
