@@ -130,7 +130,8 @@ class Config(BaseModel):
     # How a new sandbox's RAM is backed: "file" (a reflink of the template's RAM file,
     # mapped shared: pause saves device state only, snapshots reflink it), "shared-image"
     # (a private copy-on-write mapping of the template's file: denser, pause streams RAM),
-    # or "auto" ("file" where the data directory can reflink).
+    # or "auto" ("file", with a sparse copy where the data directory cannot reflink:
+    # "shared-image" is only chosen when asked for, see SECURITY.md, Known limits).
     sandbox_memory: Literal["auto", "file", "shared-image"] = "auto"
     # How long a template boot may take before we give up (TCG cold boots take seconds).
     template_boot_timeout: float = 120.0

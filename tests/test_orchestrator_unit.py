@@ -224,6 +224,18 @@ async def test_create_pause_resume_kill(tmp_path: Path, sandbox_memory: str) -> 
         await node.stop()
 
 
+async def test_auto_memory_gives_every_sandbox_a_ram_file_of_its_own(tmp_path: Path) -> None:
+    """``auto`` never maps a template's RAM file privately, even without reflinks (a
+    guest can zero pages of such a file through the balloon): a copy of its own."""
+    node = await start_node(tmp_path / "a", tmp_path / "repository", sandbox_memory="auto")
+    try:
+        view = await node.orchestrator.create(FAKE_TEMPLATE)
+        assert view.record.memory_mode == "shared"
+        assert SandboxDir(view.record.workdir).memory_file.exists()
+    finally:
+        await node.stop()
+
+
 async def test_kill_keeps_the_slot_until_its_network_is_gone(node: Node) -> None:
     """A kill answers before the network's removal finishes (the kernel's veth deletion
     is slow), but no sandbox is given that slot until it has; then the slot is free."""

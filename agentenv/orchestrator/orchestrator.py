@@ -259,8 +259,12 @@ class Orchestrator:
         self.secrets.load_key()  # made now if there is none, so a bad key shows at start
         reflinks = self._resharing.enabled = supports_reflink(self.config.sandboxes_dir)
         wanted = self.config.sandbox_memory
+        # "auto" is "file" even where the data directory cannot reflink (the RAM file is
+        # then a sparse copy): with QEMU 7.2 a guest kernel can zero pages of a privately
+        # mapped RAM file through the balloon, so a template's file mapped privately by
+        # every tenant's sandbox is chosen only when asked for (SECURITY.md, Known limits).
         own = self._lifecycle.own_memory_files = self.driver.shared_memory_boot and (
-            wanted == "file" or (wanted == "auto" and reflinks)
+            wanted in ("file", "auto")
         )
         reporting = own and self.config.free_page_reporting
         self.templates.report_free_pages = self._lifecycle.report_free_pages = reporting
