@@ -1,7 +1,7 @@
 """``python -m tests.kvm start|run CMD...|stop|status`` (what ``scripts/kvm-host`` runs).
 
 ``run`` exits with the command's exit code; its output is streamed as it comes.
-``--dir`` (or ``$KVM_HOST_DIR``) picks the state directory, so several hosts can coexist.
+``--dir`` (or ``$AENV_KVM_HOST_DIR``) picks the state directory, so several hosts can coexist.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The KVM test host's command agent. It runs inside the host (started by ``init.sh``,
 with the Debian ``python3``, so it uses the standard library only) and serves one command
-at a time over a virtio-serial port, whose other end is a Unix socket of the outer QEMU.
+at a time on each of two virtio-serial ports, whose other ends are Unix sockets of the
+outer QEMU.
 
-A virtio-serial port rather than ssh: no network, keys or sshd are needed in the host,
+Virtio-serial ports rather than ssh: no network, keys or sshd are needed in the host,
 and the channel exists as soon as the VM does. The protocol is JSON lines. The client
 sends ``{"op": "ping"}`` (answered ``{"op": "pong"}``) or ``{"op": "run", "argv": [...],
 "env": {...}, "cwd": "..."}``; the agent streams ``{"fd": 1|2, "data": "<base64>"}`` and
@@ -20,10 +21,13 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-PORT_NAME = "org.agentenv.kvmhost.0"
+# Two ports, each served by its own thread, so a second command (a look at a log, say)
+# can run while a long one holds the first.
+PORT_NAMES = ("org.agentenv.kvmhost.0", "org.agentenv.kvmhost.1")
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
@@ -36,11 +40,11 @@ class Disconnected(Exception):
     """The client end of the port went away."""
 
 
-def find_port() -> Path:
+def find_port(name: str) -> Path:
     for entry in Path("/sys/class/virtio-ports").glob("*"):
-        if (entry / "name").read_text().strip() == PORT_NAME:
+        if (entry / "name").read_text().strip() == name:
             return Path("/dev") / entry.name
-    raise SystemExit(f"kvmhost agent: no virtio-serial port named {PORT_NAME}")
+    raise SystemExit(f"kvmhost agent: no virtio-serial port named {name}")
 
 
 class Channel:
@@ -125,9 +129,7 @@ def with_group(pid: int, sig: int) -> None:
         pass
 
 
-def main() -> None:
-    channel = Channel(find_port())
-    print("KVMHOST-AGENT: ready", file=sys.stderr, flush=True)
+def serve(channel: Channel) -> None:
     while True:
         readable, hung_up = channel.poll(1.0)
         if not readable:
@@ -149,6 +151,16 @@ def main() -> None:
                     channel.send({"error": f"bad request: {exc}"})
                 except Disconnected:
                     pass
+
+
+def main() -> None:
+    channels = [Channel(find_port(name)) for name in PORT_NAMES]
+    threads = [threading.Thread(target=serve, args=(c,), daemon=True) for c in channels]
+    for thread in threads:
+        thread.start()
+    print("KVMHOST-AGENT: ready", file=sys.stderr, flush=True)
+    for thread in threads:
+        thread.join()
 
 
 if __name__ == "__main__":

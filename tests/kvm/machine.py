@@ -16,8 +16,9 @@ binaries and the current guest image are copied into the payload disk at their a
 paths and bind-mounted there inside. That is a snapshot taken at ``start``: the host sees
 later edits only after a restart, and what it writes never reaches the outside.
 
-Commands run through the agent (:mod:`tests.kvm.agent`) on a virtio-serial port whose
-outer end is ``agent.sock`` in the state directory; one at a time (``run.lock``).
+Commands run through the agent (:mod:`tests.kvm.agent`) on virtio-serial ports whose
+outer ends are ``agent0.sock`` and ``agent1.sock`` in the state directory; each serves
+one command at a time (``agent<N>.lock``), so two can run at once.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from typing import IO, Any
 from agentenv.guest import build_guest_image, default_cache_dir, kernel_cmdline
 from agentenv.guest.image import CURRENT_LINK, IMAGES_DIR
 from agentenv.vmm.firecracker_binary import find_firecracker, find_jailer
-from tests.kvm.agent import PORT_NAME
+from tests.kvm.agent import PORT_NAMES
 from tests.kvm.image import ROOT, build_host_image
 
-DEFAULT_STATE_DIR = Path(os.environ.get("KVM_HOST_DIR") or "/var/tmp/agentenv-kvm-host")
+DEFAULT_STATE_DIR = Path(os.environ.get("AENV_KVM_HOST_DIR") or "/var/tmp/agentenv-kvm-host")
 VCPUS = 2
 MEMORY = "4G"
 DATA_DISK_BYTES = 32 << 30
@@ -70,8 +71,8 @@ class HostPaths:
         return self.state / "qemu.pid"
 
     @property
-    def socket(self) -> Path:
-        return self.state / "agent.sock"
+    def sockets(self) -> list[Path]:
+        return [self.state / f"agent{index}.sock" for index in range(len(PORT_NAMES))]
 
     @property
     def console(self) -> Path:
@@ -82,8 +83,8 @@ class HostPaths:
         return self.state / "host.json"
 
     @property
-    def lock(self) -> Path:
-        return self.state / "run.lock"
+    def locks(self) -> list[Path]:
+        return [self.state / f"agent{index}.lock" for index in range(len(PORT_NAMES))]
 
 
 def emulated_svm() -> tuple[bool, str]:
@@ -195,6 +196,8 @@ def build_payload_tree(tree: Path, cache_dir: Path, venv: Path) -> list[str]:
                 _link_or_copy(binary, inside / binary.relative_to("/"))
     binds.append(cache_dir)
     for part in _guest_image_parts(cache_dir):
+        # A cache seeded from another may name components in that one (absolute paths).
+        binds.append(part.parent if part.is_symlink() else part)
         target = inside / part.relative_to("/")
         if part.is_symlink():
             _link_or_copy(part, target)
@@ -260,13 +263,15 @@ def qemu_argv(paths: HostPaths, kernel: Path, initrd: Path) -> list[str]:
             "-device",
             f"virtio-blk-device,drive={name}",
         ]
+    argv += ["-device", "virtio-serial-device"]
+    for index, (socket_path, name) in enumerate(zip(paths.sockets, PORT_NAMES, strict=True)):
+        argv += [
+            "-chardev",
+            f"socket,id=agent{index},path={socket_path},server=on,wait=off",
+            "-device",
+            f"virtserialport,chardev=agent{index},name={name}",
+        ]
     argv += [
-        "-device",
-        "virtio-serial-device",
-        "-chardev",
-        f"socket,id=agent,path={paths.socket},server=on,wait=off",
-        "-device",
-        f"virtserialport,chardev=agent,name={PORT_NAME}",
         "-chardev",
         f"file,id=console,path={paths.console}",
         "-serial",
@@ -363,8 +368,10 @@ def start(
 
 def clear(paths: HostPaths) -> None:
     """Remove a stopped host's disks (its console log stays for a post-mortem)."""
-    for name in ("root.qcow2", "payload.ext4", "data.xfs", "agent.sock", "qemu.pid", "host.json"):
+    for name in ("root.qcow2", "payload.ext4", "data.xfs", "qemu.pid", "host.json"):
         (paths.state / name).unlink(missing_ok=True)
+    for path in paths.sockets + paths.locks:
+        path.unlink(missing_ok=True)
     shutil.rmtree(paths.state / "payload-tree", ignore_errors=True)
 
 
@@ -392,7 +399,7 @@ def status(state: Path = DEFAULT_STATE_DIR) -> dict[str, Any]:
     if pid is not None:
         with contextlib.suppress(OSError, ValueError):
             info.update(json.loads(paths.info.read_text()))
-        info["agent"] = ping(paths)
+        info["agent"] = ping(paths, wait=False)
     return info
 
 
@@ -404,17 +411,37 @@ def console_tail(paths: HostPaths, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class AgentBusy(KvmHostError):
+    """Another command holds the agent."""
+
+
 @contextlib.contextmanager
-def _connection(paths: HostPaths, timeout: float | None) -> Iterator[socket.socket]:
-    with paths.lock.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _connection(
+    paths: HostPaths, timeout: float | None, *, wait: bool = True
+) -> Iterator[socket.socket]:
+    """A connection to a free agent port (each port serves one command at a time);
+    when all are busy, wait for the first one, or with ``wait`` off raise
+    :class:`AgentBusy`."""
+    with contextlib.ExitStack() as stack:
+        chosen = None
+        for index, lock_path in enumerate(paths.locks):
+            lock = stack.enter_context(lock_path.open("w"))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            chosen = index
+            break
+        if chosen is None:
+            if not wait:
+                raise AgentBusy("every agent port is running a command")
+            lock = stack.enter_context(paths.locks[0].open("w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            chosen = 0
+        conn = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         conn.settimeout(timeout)
-        try:
-            conn.connect(str(paths.socket))
-            yield conn
-        finally:
-            conn.close()
+        conn.connect(str(paths.sockets[chosen]))
+        yield conn
 
 
 class _Reader:
@@ -437,16 +464,28 @@ class _Reader:
         return self.ready.pop(0)
 
 
-def ping(paths: HostPaths, timeout: float = 5.0) -> bool:
+def ping(paths: HostPaths, timeout: float = 5.0, *, wait: bool = True) -> bool:
+    """Whether the agent answers; with ``wait`` off, a busy agent counts as alive."""
     try:
-        with _connection(paths, timeout) as conn:
+        with _connection(paths, timeout, wait=wait) as conn:
             conn.sendall(b'{"op": "ping"}\n')
             reader = _Reader(conn)
             while reader.next().get("op") != "pong":
                 pass
             return True
+    except AgentBusy:
+        return True
     except (OSError, KvmHostError, ValueError):
         return False
+
+
+def default_env(paths: HostPaths) -> dict[str, str]:
+    """What a command inside gets besides PATH and HOME: the guest image it was started
+    with, and test data on the reflink-capable data disk."""
+    env = {"AENV_TEST_DIR": "/data/tests"}
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        env["AENV_IMAGE_CACHE"] = json.loads(paths.info.read_text())["image_cache"]
+    return env
 
 
 def run(
@@ -466,7 +505,12 @@ def run(
     if qemu_pid(paths) is None:
         raise KvmHostError(f"no test host is running in {state}")
     outputs = {1: stdout or sys.stdout.buffer, 2: stderr or sys.stderr.buffer}
-    request = {"op": "run", "argv": list(argv), "env": dict(env or {}), "cwd": str(cwd or ROOT)}
+    request = {
+        "op": "run",
+        "argv": list(argv),
+        "env": {**default_env(paths), **(env or {})},
+        "cwd": str(cwd or ROOT),
+    }
     deadline = None if timeout is None else time.monotonic() + timeout
     with _connection(paths, 30.0) as conn:
         conn.sendall(json.dumps(request).encode() + b"\n")
