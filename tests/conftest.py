@@ -14,8 +14,8 @@ from tests.helpers import SANDBOX_DOMAIN, ServerProcess, kill_vmms, live_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The nested KVM tests (tests/kvm) take many minutes and are opt-in: deselected, not
-    # skipped, unless AENV_KVM_TESTS=1 (then `-m kvm` runs only them).
+    # The nested KVM tests (tests/kvm) take minutes: deselected, not skipped, unless
+    # AENV_KVM_TESTS=1 (scripts/test sets it; `-m kvm` then runs only them).
     if os.environ.get("AENV_KVM_TESTS") != "1":
         nested = [item for item in items if item.get_closest_marker("kvm") is not None]
         if nested:

@@ -188,7 +188,9 @@ async def build_host_image(
     inputs = image_inputs(guest, python_prefix)
     key = content_key(inputs)
     cache = ComponentCache(cache_dir)
-    async with build_lock(cache_dir, log):
+    # A lock of its own: the guest image's builds (every test session starts one) need
+    # not wait for this one's minutes of debootstrap.
+    async with build_lock(cache_dir / KIND, log):
         path, _meta = await cache.ensure(
             KIND,
             key,
