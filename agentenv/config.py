@@ -52,6 +52,8 @@ NOT_SETTINGS = frozenset(
         "AENV_CACHE",  # scripts/install: cache root
         "AENV_PYTHON",  # scripts/install: the Python the virtualenv is made with
         "AENV_SKIP_DATA_FS",  # scripts/install: leave AENV_HOME's filesystem alone
+        "AENV_KVM_TESTS",  # tests: run the nested KVM tests (tests/kvm; scripts/test sets it)
+        "AENV_KVM_HOST_DIR",  # scripts/kvm-host: the test host's state directory
     }
 )
 

@@ -533,6 +533,8 @@ async def test_close_then_attach(
     adopted = await driver.attach(workroot / "w")
     vms.append(adopted)
     assert adopted.pid == vm.pid
+    # The orchestrator reads an adopted VM's spec like a started one's.
+    assert adopted.spec == vm.spec
     assert adopted.state is VMRunState.PAUSED
     await adopted.resume()
     assert (await adopted.describe())["state"] == "Running"

@@ -245,6 +245,7 @@ class FirecrackerVM(VirtualMachine):
         self,
         *,
         workdir: Path,
+        spec: MachineSpec,
         process: VMMProcess,
         api: FirecrackerAPI,
         shape: dict[str, Any],
@@ -254,6 +255,10 @@ class FirecrackerVM(VirtualMachine):
         console_limit: int | None = None,
     ) -> None:
         self.workdir = workdir
+        # The orchestrator reads every VM's spec (VirtualMachine.spec), e.g. to flush
+        # shared RAM files; Firecracker's RAM is never a shared file, but the spec must
+        # be there, also on a handle adopted after a server restart.
+        self.spec = spec
         self._process = process
         self._api = api
         self._shape = shape
@@ -419,6 +424,7 @@ class FirecrackerVM(VirtualMachine):
         """Record what :meth:`FirecrackerDriver.attach` needs to find this process."""
         record = {
             "pid": self.pid,
+            "spec": self.spec.to_dict(),
             "api_socket": str(self._api.socket_path),
             "shape": self._shape,
             "tap": self._tap,
@@ -590,6 +596,7 @@ class FirecrackerDriver(VMMDriver):
             raise VMMGone(f"firecracker pid {pid} recorded in {workdir} is gone") from exc
         vm = FirecrackerVM(
             workdir=workdir,
+            spec=MachineSpec.from_dict(record["spec"]),
             process=process,
             api=FirecrackerAPI(socket_path),
             shape=dict(record["shape"]),
@@ -643,6 +650,7 @@ class FirecrackerDriver(VMMDriver):
             raise
         vm = FirecrackerVM(
             workdir=workdir,
+            spec=spec,
             process=process,
             api=FirecrackerAPI(socket_path),
             shape=spec.shape(),

@@ -1,0 +1,89 @@
+"""Both KVM paths end to end, inside the nested KVM test host: the host is started with
+``scripts/kvm-host`` (as a user would), and the smoke (:mod:`tests.kvm.smoke`: the real
+server, the unmodified ``e2b`` SDK) runs in it once per mode.
+
+Skipped, with the reason, only where this machine's QEMU does not emulate SVM with nested
+paging; anything else that keeps the host from booting or KVM from working fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kvm.machine import emulated_svm
+from tests.kvm.smoke import MODES
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts/kvm-host"
+# Generous: the first start builds the host image (minutes); the smoke starts a server
+# and builds the base template under Python and guests both running at TCG speed.
+START_TIMEOUT = 1800
+SMOKE_TIMEOUT = 900
+
+pytestmark = [pytest.mark.vm, pytest.mark.kvm]
+
+
+def kvm_host(state: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), "--dir", str(state), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Path]:
+    """A started test host (its state directory), stopped afterwards."""
+    svm, why = emulated_svm()
+    if not svm:
+        pytest.skip(f"no emulated SVM on this machine: {why}")
+    state = Path(tempfile.mkdtemp(prefix="aenv-kvm-host-", dir="/var/tmp"))
+    try:
+        started = kvm_host(state, "start", timeout=START_TIMEOUT)
+        assert started.returncode == 0, f"kvm-host start failed:\n{started.stderr[-4000:]}"
+        yield state
+    finally:
+        kvm_host(state, "stop", timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_kvm_is_live_inside(host: Path) -> None:
+    probe = "test -c /dev/kvm && grep -qw svm /proc/cpuinfo && findmnt -no FSTYPE /data"
+    result = kvm_host(host, "run", "--", "sh", "-c", probe, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "xfs"
+    # The exit code of the command is the script's, not swallowed.
+    assert kvm_host(host, "run", "--", "sh", "-c", "exit 7", timeout=300).returncode == 7
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_smoke(host: Path, mode: str) -> None:
+    result = kvm_host(
+        host,
+        "run",
+        "--timeout",
+        str(SMOKE_TIMEOUT),
+        "--",
+        ".venv/bin/python",
+        "-m",
+        "tests.kvm.smoke",
+        mode,
+        timeout=SMOKE_TIMEOUT + 120,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("SMOKE-RESULT ")]
+    assert lines, f"no smoke result (exit {result.returncode}):\n{result.stderr[-4000:]}"
+    outcome: dict[str, Any] = json.loads(lines[-1].removeprefix("SMOKE-RESULT "))
+    assert outcome["ok"], f"{outcome}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0
+    assert outcome["health"]["vmm"] == MODES[mode]["AENV_VMM"]
+    assert outcome["health"]["accel"] == "kvm"
