@@ -423,6 +423,19 @@ async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPat
     await orch.kill(second.sandbox_id)
     monkeypatch.setattr(envd_client, "init", real_init)
 
+    # Traffic waiting for the /init of a sandbox that is killed meanwhile is told the
+    # sandbox is gone (the kill cancels the /init; the waiter is not cancelled with it).
+    gate.clear()
+    monkeypatch.setattr(envd_client, "init", gated_init)
+    doomed = await orch.create(FAKE_TEMPLATE, envd_in_background=True)
+    waiting = asyncio.ensure_future(orch.ready_for_traffic(doomed.sandbox_id))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await orch.kill(doomed.sandbox_id)
+    with pytest.raises(SandboxNotFound):
+        await asyncio.wait_for(waiting, 10)
+    monkeypatch.setattr(envd_client, "init", real_init)
+
     node.envd.init_status = 500
     broken = await orch.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
     with pytest.raises(OperationFailed, match="envd /init failed"):

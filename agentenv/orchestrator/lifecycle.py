@@ -155,9 +155,17 @@ class Lifecycle:
         """Wait for envd's /init of a sandbox just started or resumed (an operation that
         saves the machine, or talks to envd itself, must not run beside it)."""
         settling = self._settling.get(sandbox_id)
-        if settling is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(settling)
+        if settling is None:
+            return
+        try:
+            await asyncio.shield(settling)
+        except asyncio.CancelledError:
+            # A kill cancels the /init it makes pointless; the waiter then goes on to
+            # find the sandbox gone. Only a cancellation of the waiter itself propagates.
+            if not settling.cancelled():
+                raise
+        except Exception:
+            pass  # logged by the /init task; check_envd says what it means
 
     def check_envd(self, sandbox_id: str) -> None:
         """:class:`OperationFailed` if the sandbox's first envd /init failed: its envd has
