@@ -7,10 +7,11 @@ machine (:mod:`.states`) with :meth:`Store.transition`, writes its record before
 files, and rolls back on failure: a failed pause leaves the sandbox running, a failed
 resume leaves it paused, a failed create leaves nothing.
 
-Memory: on a node whose data directory can reflink (XFS, btrfs), a sandbox's RAM is a file
-of its own (``memory.raw``, a clone of the template's, mapped shared): pausing it writes
-device state only and resuming maps the same file again. Otherwise, and for fork children,
-RAM is a private copy-on-write mapping of the source's image, and pausing streams RAM.
+Memory: a sandbox's RAM is a file of its own (``memory.raw``, a clone of the template's:
+a reflink where the data directory can, else a sparse copy; mapped shared): pausing it
+writes device state only and resuming maps the same file again. For fork children, and
+on a node configured ``sandbox_memory = "shared-image"``, RAM is a private copy-on-write
+mapping of the source's image, and pausing streams RAM.
 A sandbox with RAM of its own gives the pages its guest frees back to the host
 (``MachineSpec.report_free_pages``, unless ``free_page_reporting`` is off); a snapshot
 of it, fork images included, is restored only with RAM of its own
@@ -573,7 +574,7 @@ class Lifecycle:
         self._envd_failed.pop(sandbox_id, None)
         settling = self._settling.pop(sandbox_id, None)
         if settling is not None:
-            # A resume's envd re-initialisation: its guest is going, nothing to retry.
+            # envd's /init after a create or resume: its guest is going, nothing to retry.
             settling.cancel()
         vm = self.machines.pop(sandbox_id)
         if vm is not None and rec.volumes and rec.state == S.RUNNING:
