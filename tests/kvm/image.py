@@ -108,7 +108,8 @@ def _sources_list() -> str:
     return "\n".join(dict.fromkeys(lines)) + "\n"
 
 
-def _tree_bytes(root: Path) -> int:
+def tree_bytes(root: Path) -> int:
+    """Bytes the files under ``root`` take on disk (what an image holding them needs)."""
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
@@ -156,7 +157,7 @@ async def _build(
     (tree / "etc/hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n")
     (tree / "etc/resolv.conf").unlink(missing_ok=True)
     (tree / "etc/fstab").write_text("# filesystems are mounted by the kvm host's init\n")
-    content = _tree_bytes(tree)
+    content = tree_bytes(tree)
     size_mib = (content + 2 * GIB) >> 20
     image = out / "rootfs.ext4"
     await run(

@@ -44,7 +44,7 @@ from agentenv.guest import build_guest_image, default_cache_dir, kernel_cmdline
 from agentenv.guest.image import CURRENT_LINK, IMAGES_DIR
 from agentenv.vmm.firecracker_binary import find_firecracker, find_jailer
 from tests.kvm.agent import PORT_NAMES
-from tests.kvm.image import ROOT, build_host_image
+from tests.kvm.image import ROOT, build_host_image, tree_bytes
 
 DEFAULT_STATE_DIR = Path(os.environ.get("AENV_KVM_HOST_DIR") or "/var/tmp/agentenv-kvm-host")
 VCPUS = 2
@@ -210,14 +210,6 @@ def build_payload_tree(tree: Path, cache_dir: Path, venv: Path) -> list[str]:
     return kept
 
 
-def _tree_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
-
-
 def _run(argv: Sequence[str | Path], **kwargs: Any) -> None:
     result = subprocess.run([str(a) for a in argv], capture_output=True, text=True, **kwargs)
     if result.returncode != 0:
@@ -303,7 +295,7 @@ def start(
     tree = state / "payload-tree"
     try:
         binds = build_payload_tree(tree, cache, venv)
-        size_mib = (_tree_bytes(tree) + (2 << 30)) >> 20
+        size_mib = (tree_bytes(tree) + (2 << 30)) >> 20
         log(f"kvm host: payload {size_mib} MiB ({', '.join(binds)})")
         _run(
             [
