@@ -24,6 +24,7 @@ from agentenv.orchestrator.layout import SnapshotDir
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store
+from agentenv.orchestrator.supervisor import FinishingWork
 from agentenv.snapshots.cache import NodeCache
 from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
 from agentenv.storage.images import backing_chain
@@ -39,7 +40,7 @@ class Slots:
         self.store = store
         self.network = network
         self._reserved: set[int] = set()
-        self._releasing: set[asyncio.Task[None]] = set()
+        self._releasing = FinishingWork()
 
     def reserve(self) -> int:
         used = self.store.used_slots() | self._reserved
@@ -62,22 +63,17 @@ class Slots:
         free: the next create on it removes leftovers first, as does the next start."""
         self._reserved.add(slot)
 
-        async def run() -> None:
+        async def then_free() -> None:
             try:
                 await teardown
-            except Exception as exc:
-                log.warning("network slot %d: teardown failed: %s", slot, exc)
             finally:
                 self._reserved.discard(slot)
 
-        task = asyncio.get_running_loop().create_task(run(), name=f"release slot {slot}")
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        self._releasing.start(then_free(), f"the teardown of network slot {slot}")
 
     async def drain(self) -> None:
         """Wait for every background teardown (at shutdown: nothing is left half-removed)."""
-        while self._releasing:
-            await asyncio.gather(*self._releasing, return_exceptions=True)
+        await self._releasing.drain()
 
 
 #: States in which a sandbox has a VMM holding its guest RAM (a paused one has none).

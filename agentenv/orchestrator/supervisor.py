@@ -5,7 +5,9 @@ Every task the orchestrator starts outside a request goes through one
 most one of runs per key (a snapshot's commit, a paused sandbox's upload) and
 fire-and-forget work (making files durable, flattening). :meth:`Supervisor.shutdown`
 cancels them all and waits for them, so nothing runs on after the store is closed.
-It owns no sandbox state and knows nothing of what the tasks do.
+Work that must finish rather than be cancelled (a network's removal after a kill, a
+volume's publishing) is a :class:`FinishingWork` its owner drains at shutdown.
+They own no sandbox state and know nothing of what the tasks do.
 """
 
 from __future__ import annotations
@@ -91,3 +93,27 @@ class Supervisor:
         self._loops.clear()
         self._jobs.clear()
         self._loose.clear()
+
+
+class FinishingWork:
+    """Background work that shutdown waits for instead of cancelling: each piece runs in
+    a task of its own, a failure is logged (``what`` failed) and :meth:`drain` waits for
+    every piece, including those started meanwhile."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        async def logged() -> None:
+            try:
+                await work
+            except Exception as exc:
+                log.warning("%s failed: %s", what, exc)
+
+        task = asyncio.get_running_loop().create_task(logged(), name=what)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

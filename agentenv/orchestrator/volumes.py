@@ -59,6 +59,7 @@ from agentenv.orchestrator.errors import (
 from agentenv.orchestrator.records import VolumeEntry
 from agentenv.orchestrator.states import PUBLIC_STATE, SandboxState
 from agentenv.orchestrator.store import SandboxEvent, Store, VolumeMount, utcnow
+from agentenv.orchestrator.supervisor import FinishingWork
 from agentenv.orchestrator.volume_content import GuestVolumeFiles, HostVolumeFiles, VolumeFiles
 from agentenv.storage.volumes import VolumeImageError, make_image, mounted
 
@@ -107,7 +108,7 @@ class Volumes:
         self._holders: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Publishing images that were let go (see release).
-        self._publishing: set[asyncio.Task[None]] = set()
+        self._publishing = FinishingWork()
         # Whatever removes a sandbox's record (kill, a failed create, a VMM that died
         # with its disk gone, recovery, a handoff) lets go of its volumes.
         store.listen(self._on_sandbox_event)
@@ -136,25 +137,16 @@ class Volumes:
 
     async def drain(self) -> None:
         """Wait for the publishing in progress (at shutdown)."""
-        while self._publishing:
-            await asyncio.gather(*self._publishing, return_exceptions=True)
+        await self._publishing.drain()
 
     def _spawn(self, work: Coroutine[Any, Any, None], what: str) -> None:
-        async def logged() -> None:
-            try:
-                await work
-            except Exception as exc:
-                log.warning("%s failed: %s", what, exc)
-
         try:
-            loop = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:  # no loop (a synchronous caller): the next start settles it
             work.close()
             log.warning("%s left for the next start", what)
             return
-        task = loop.create_task(logged(), name=what)
-        self._publishing.add(task)
-        task.add_done_callback(self._publishing.discard)
+        self._publishing.start(work, what)
 
     def image(self, volume_id: str) -> Path:
         return self.directory / f"{volume_id}.ext4"
