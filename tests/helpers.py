@@ -85,31 +85,50 @@ class ServerProcess:
         return env
 
     def start(self, wait_template: float = 600.0) -> None:
+        self.spawn()
+        self.wait_ready(wait_template)
+
+    def spawn(self) -> None:
+        """Start the server process, its output appended to :attr:`log_path`."""
         self.home.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentenv.server"],
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.root,
-        )
-        deadline = time.monotonic() + wait_template
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log_tail()}")
-            try:
-                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).json()
-            except (httpx.HTTPError, ValueError):
-                time.sleep(0.2)
-                continue
-            state = health["templates"].get("base")
-            if state == "ready":
-                return
-            if state == "failed":
-                raise RuntimeError(f"base template failed: {health.get('detail')}")
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready in {wait_template}s:\n{self.log_tail()}")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agentenv.server"],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+            )
+
+    def wait_ready(
+        self,
+        limit: float,
+        *,
+        poll_every: float = 0.5,
+        retry_every: float = 0.2,
+        request_timeout: float = 2.0,
+    ) -> None:
+        """Wait until the spawned server's base template is ready: /health every
+        ``poll_every`` seconds through one client, every ``retry_every`` while the server
+        does not answer yet."""
+        assert self.proc is not None, "spawn() first"
+        deadline = time.monotonic() + limit
+        with httpx.Client(timeout=request_timeout, verify=self.verify) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited early:\n{self.log_tail()}")
+                try:
+                    health = client.get(f"{self.url}/health").json()
+                except (httpx.HTTPError, ValueError):
+                    time.sleep(retry_every)
+                    continue
+                state = health["templates"].get("base")
+                if state == "ready":
+                    return
+                if state == "failed":
+                    raise RuntimeError(f"base template failed: {health.get('detail')}")
+                time.sleep(poll_every)
+        raise RuntimeError(f"server not ready in {limit:.0f} s:\n{self.log_tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         if self.proc is None:

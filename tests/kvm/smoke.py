@@ -16,14 +16,11 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from tests.helpers import ServerProcess, cleanup_host
 
@@ -43,33 +40,10 @@ POLL_SECONDS = 3.0
 
 def start_server(server: ServerProcess, limit: float) -> None:
     """Start ``server`` and wait until its base template is ready, polling its health
-    through one client every few seconds (``ServerProcess.start`` polls several times a
-    second with a new client each time, which here takes CPU from the template boot)."""
-    server.home.mkdir(parents=True, exist_ok=True)
-    with open(server.log_path, "ab") as log:
-        server.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentenv.server"],
-            env=server.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=server.root,
-        )
-    deadline = time.monotonic() + limit
-    with httpx.Client(timeout=30, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{server.log_tail()}")
-            time.sleep(POLL_SECONDS)
-            try:
-                health = client.get(f"{server.url}/health").json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            state = health["templates"].get("base")
-            if state == "ready":
-                return
-            if state == "failed":
-                raise RuntimeError(f"base template failed: {health.get('detail')}")
-    raise RuntimeError(f"base template not ready in {limit:.0f} s:\n{server.log_tail()}")
+    every few seconds (``ServerProcess.start`` polls several times a second, which here
+    takes CPU from the template boot)."""
+    server.spawn()
+    server.wait_ready(limit, poll_every=POLL_SECONDS, retry_every=POLL_SECONDS, request_timeout=30)
 
 
 def smoke(mode: str, data_dir: Path) -> dict[str, Any]:
