@@ -855,3 +855,36 @@ async def test_failed_resume_after_capture_is_an_operation_failure(node: Node) -
         await orch.snapshot(view.sandbox_id, "stuck")
     # The capture completed but was reported failed: nothing keeps it.
     assert [s.state for s in orch.store.list_snapshots()] in ([], ["deleted"])
+
+
+async def test_restart_finishes_an_envd_init_the_last_server_did_not(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stopped after a create answered but before envd's /init in the
+    background finished (a kill -9 of the server during a fork, in the suite): the next
+    server runs that /init when it re-adopts the sandbox, so its envd takes the token
+    the record holds, and not its parent's (a fork child) or none (a new sandbox)."""
+    never = asyncio.Event()
+    real_init = envd_client.init
+
+    async def stuck_init(*args: Any, **kwargs: Any) -> None:
+        await never.wait()
+
+    monkeypatch.setattr(envd_client, "init", stuck_init)
+    stuck = await node.orchestrator.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
+    monkeypatch.setattr(envd_client, "init", real_init)
+    done = await node.orchestrator.create(FAKE_TEMPLATE, secure=True)
+    assert record(node, stuck.sandbox_id).envd_pending == "start"
+    assert record(node, done.sandbox_id).envd_pending is None
+    inits_before = len(node.envd.inits(stuck.guest_address))
+    after = await restart(node, envd=node.envd)
+    try:
+        ready = await after.orchestrator.ready_for_traffic(stuck.sandbox_id)
+        inits = node.envd.inits(stuck.guest_address)
+        assert len(inits) == inits_before + 1
+        assert inits[-1].json()["accessToken"] == ready.record.envd_token
+        assert record(after, stuck.sandbox_id).envd_pending is None
+        # One that had its /init gets none again.
+        assert len(node.envd.inits(done.guest_address)) == 1
+    finally:
+        await after.stop()

@@ -260,6 +260,7 @@ class Lifecycle:
             snapshot_id=source.snapshot_id,
             auto_resume=identity.auto_resume,
             volumes=mounts,
+            envd_pending="start" if envd_in_background else None,
         )
         # The record goes first, so a crash mid-create leaves something to clean up.
         try:
@@ -527,9 +528,16 @@ class Lifecycle:
         end_at = utcnow() + timedelta(seconds=timeout)
         mode = "shared" if shared else "private"
         self.store.transition(
-            sandbox_id, S.RESUMING, S.RUNNING, end_at=end_at, memory_mode=mode, pause_mode=None
+            sandbox_id,
+            S.RESUMING,
+            S.RUNNING,
+            end_at=end_at,
+            memory_mode=mode,
+            pause_mode=None,
+            envd_pending="resume",
         )
         rec.state, rec.end_at, rec.memory_mode, rec.pause_mode = S.RUNNING, end_at, mode, None
+        rec.envd_pending = "resume"
         # The saved state is consumed: the running machine has moved on from it.
         directory.clear_paused()
         self._settle(rec, net.guest_address)
@@ -551,6 +559,8 @@ class Lifecycle:
                     access_token=rec.envd_token,
                 )
                 self._envd_failed.pop(rec.sandbox_id, None)
+                self.store.update_sandbox(rec.sandbox_id, envd_pending=None)
+                rec.envd_pending = None
             except Exception as exc:
                 what = "start" if first else "resume"
                 log.error("sandbox %s: envd /init after %s failed: %s", rec.sandbox_id, what, exc)
@@ -562,6 +572,23 @@ class Lifecycle:
 
         task = asyncio.get_running_loop().create_task(init())
         self._settling[rec.sandbox_id] = task
+
+    def finish_envd_init(self, rec: SandboxRecord) -> None:
+        """Run again, in the background, the envd /init a re-adopted sandbox was still
+        owed when the last server stopped: without it a fork child's envd would keep
+        its parent's token, and a new sandbox's envd would have none."""
+        if rec.envd_pending is not None:
+            address = self.network.describe(rec.slot).guest_address
+            self._settle(rec, address, first=rec.envd_pending == "start")
+
+    async def stop_settling(self) -> None:
+        """Cancel the envd /inits still running (a server shutting down): each stays
+        owed in its record, and the next start runs it (:meth:`finish_envd_init`)."""
+        tasks = list(self._settling.values())
+        self._settling.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- kill ------------------------------------------------------------------------
     async def kill(self, sandbox_id: str) -> None:

@@ -316,6 +316,7 @@ class Orchestrator:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
+        await self._lifecycle.stop_settling()
         await self.volumes.drain()
         await self._slots.drain()
         await self._machines.close_all()

@@ -108,6 +108,7 @@ class Recovery:
                     else:
                         self.store.update_sandbox(rec.sandbox_id, disk_path=drive.path)
                     self.machines.add(rec.sandbox_id, vm)
+                    self.lifecycle.finish_envd_init(rec)
                     kept.add(rec.slot)
                     log.info("re-adopted running sandbox %s", rec.sandbox_id)
                     continue

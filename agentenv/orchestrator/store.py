@@ -94,6 +94,8 @@ _SANDBOX_NETWORK_COLUMNS = (
 )
 # The volumes a sandbox mounts (JSON list of VolumeMount); NULL: none.
 _SANDBOX_VOLUME_COLUMNS = (("volumes", "TEXT"),)
+# The envd /init a running sandbox is still owed ("start" or "resume"); NULL: none.
+_SANDBOX_ENVD_COLUMNS = (("envd_pending", "TEXT"),)
 
 
 def utcnow() -> datetime:
@@ -174,6 +176,10 @@ class SandboxRecord:
     auto_resume: bool = False
     pause_mode: str | None = None
     volumes: tuple[VolumeMount, ...] = ()
+    # The envd /init this running sandbox still awaits: "start" (its envd has no token
+    # of its own yet) or "resume"; None once done. A server killed before it finished
+    # runs it again when it re-adopts the sandbox.
+    envd_pending: str | None = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,11 @@ class Store:
         for name, decl in _SANDBOX_COLUMNS_V2:
             if name not in have:
                 db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
-        for name, decl in (*_SANDBOX_NETWORK_COLUMNS, *_SANDBOX_VOLUME_COLUMNS):
+        for name, decl in (
+            *_SANDBOX_NETWORK_COLUMNS,
+            *_SANDBOX_VOLUME_COLUMNS,
+            *_SANDBOX_ENVD_COLUMNS,
+        ):
             if name not in have:
                 db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
         for allow_internet in (False, True):
@@ -506,6 +516,7 @@ def _sandbox_row(rec: SandboxRecord) -> dict[str, Any]:
         "auto_resume": int(rec.auto_resume),
         "pause_mode": rec.pause_mode,
         "volumes": json.dumps([asdict(m) for m in rec.volumes]) if rec.volumes else None,
+        "envd_pending": rec.envd_pending,
     }
 
 
@@ -537,6 +548,7 @@ def _sandbox(row: sqlite3.Row) -> SandboxRecord:
         auto_resume=bool(row["auto_resume"]),
         pause_mode=row["pause_mode"],
         volumes=tuple(VolumeMount(**m) for m in json.loads(row["volumes"] or "[]")),
+        envd_pending=row["envd_pending"],
     )
 
 
