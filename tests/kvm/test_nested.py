@@ -1,6 +1,9 @@
 """Both KVM paths end to end, inside the nested KVM test host: the host is started with
 ``scripts/kvm-host`` (as a user would), and the smoke (:mod:`tests.kvm.smoke`: the real
-server, the unmodified ``e2b`` SDK) runs in it once per mode.
+server, the unmodified ``e2b`` SDK) runs in it once per mode, followed against the same
+server by the rest of the core the mode supports (:mod:`tests.kvm.core`: pause and
+connect, PTY, kill -9 of the server and re-adoption; with QEMU also snapshot, fork and a
+template build).
 
 Skipped, with the reason, only where this machine's QEMU does not emulate SVM with nested
 paging; anything else that keeps the host from booting or KVM from working fails.
@@ -24,9 +27,10 @@ from tests.kvm.smoke import MODES
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/kvm-host"
 # Generous: the first start builds the host image (minutes); the smoke starts a server
-# and builds the base template under Python and guests both running at TCG speed.
+# and builds the base template under Python and guests both running at TCG speed, then
+# runs the core steps (4-7 minutes per mode in all, here).
 START_TIMEOUT = 1800
-SMOKE_TIMEOUT = 900
+SMOKE_TIMEOUT = 1800
 
 pytestmark = [pytest.mark.vm, pytest.mark.kvm]
 
