@@ -39,9 +39,13 @@ MODES: dict[str, dict[str, str]] = {
 # (``FirecrackerDriver.seals_drives``), and the orchestrator captures a running sandbox
 # (snapshot, fork, and so a template build's final snapshot) only by sealing its disk: it
 # refuses those with "snapshots and forks need a VMM that can seal a running disk".
+# QEMU's fork of 4 is left out too: nested, it passed once in three runs (a child's
+# restore lost its QMP connection: "migrate-set-capabilities failed:
+# ExecInterruptedError('Disconnected')"; twice the whole test host went away during or
+# after it). ``--core fork`` runs it.
 CORE_STEPS: dict[str, tuple[str, ...]] = {
     "firecracker": ("pause-connect", "pty", "kill9"),
-    "qemu-kvm": tuple(STEPS),
+    "qemu-kvm": ("pause-connect", "snapshot", "pty", "kill9", "template"),
 }
 # The host's Python runs many times slower than natively (TCG), and so does every nested
 # guest: the base template's cold boot took about 3 minutes to envd (120 s is the
