@@ -222,10 +222,12 @@ class FakeNodes:
         self.down: set[str] = set()
         self.sandboxes: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[httpx.Headers] = []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
         self.requests.append((node, f"{request.method} {request.url.path}"))
+        self.headers.append(request.headers)
         if node in self.down:
             raise httpx.ConnectError("connection refused")
         path = request.url.path
@@ -242,6 +244,11 @@ class FakeNodes:
             return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
+        if path == "/set-cookies":
+            cookies = [("set-cookie", "a=1; Path=/"), ("set-cookie", "b=2; Path=/")]
+            return httpx.Response(
+                200, headers=[*cookies, ("content-length", "2")], stream=_Body(b"ok")
+            )
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
         if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
             return answer(200, b"from " + node.encode())
@@ -480,6 +487,22 @@ async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
     assert (await client.get("/files", headers=traffic)).status_code == 503
     await reg.bind("i1", "a")
     assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
+
+
+async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("i1", "a")
+    await reg.bind("i2", "a")
+    answer = await client.get("/set-cookies", headers={"E2b-Sandbox-Id": "i1"})
+    assert answer.headers.get_list("set-cookie") == ["a=1; Path=/", "b=2; Path=/"]
+    assert answer.headers["content-length"] == "2" and answer.text == "ok"
+    assert "transfer-encoding" not in answer.headers
+    # The gateway keeps no cookies: another sandbox's traffic (on the same node) gets none.
+    client.cookies.clear()
+    assert (await client.get("/files", headers={"E2b-Sandbox-Id": "i2"})).text == "from a"
+    assert "cookie" not in nodes.headers[-1]
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------
