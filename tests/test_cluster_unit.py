@@ -4,7 +4,9 @@ gateway's routing against fake nodes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,10 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
@@ -503,6 +509,44 @@ async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
     client.cookies.clear()
     assert (await client.get("/files", headers={"E2b-Sandbox-Id": "i2"})).text == "from a"
     assert "cookie" not in nodes.headers[-1]
+
+
+def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
+    """A node's stream that would run for an hour (a command's output, say) ends on the
+    node once the client goes away: the gateway sees the client leave and lets go of it."""
+    ended = threading.Event()
+
+    async def endless(request: Request) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                yield b"first"
+                await asyncio.sleep(3600)
+            finally:
+                ended.set()
+
+        return StreamingResponse(chunks())
+
+    with ServedApp(Starlette(routes=[Route("/{path:path}", endless)])) as node:
+        reg = registry(Clock())
+        scheduler = SchedulerClient(
+            "http://scheduler.test",
+            KEY,
+            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
+        )
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=node.url))
+            await reg.bind("istream", "a")
+
+        asyncio.run(register())
+        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+            with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
+                traffic = {"E2b-Sandbox-Id": "istream"}
+                with client.stream("GET", "/process", headers=traffic) as answer:
+                    assert answer.status_code == 200
+                    assert next(answer.iter_raw()) == b"first"
+                    assert not ended.is_set()
+            assert ended.wait(60)  # the client's connection closed with the block
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------
