@@ -235,6 +235,8 @@ def create_app(
             version=__version__,
             vmm=node.vmm,
             accel=node.accel,
+            mode=f"{node.vmm}/{node.accel}",
+            modeReason=node.mode_reason or None,
             templates=node.templates,
             sandboxes=node.sandboxes,
             detail=node.problem,

@@ -403,6 +403,11 @@ class Health(BaseModel):
     version: str
     vmm: str
     accel: str
+    # "vmm/accel": what the node restores sandboxes under; templates, snapshots and paused
+    # sandboxes saved under another mode answer 409 here.
+    mode: str | None = None
+    # Why this mode: what AENV_VMM/AENV_ACCEL "auto" found on the host, or "set explicitly".
+    mode_reason: str | None = Field(default=None, alias="modeReason")
     templates: dict[str, str]
     sandboxes: int
     detail: str | None = None
