@@ -17,6 +17,7 @@ from agentenv.api.app import create_app
 from agentenv.config import Config
 from agentenv.orchestrator.errors import ModeMismatch
 from agentenv.orchestrator.layout import SandboxDir
+from agentenv.orchestrator.modes import Mode
 from agentenv.server import choose_runtime, vmm_choice_reason
 from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
@@ -161,7 +162,7 @@ async def test_the_api_answers_409_naming_both_modes_and_health_says_why(
             created = await client.post("/sandboxes", json={"templateID": "kvm-snap"})
             assert created.status_code == 409, created.text
             body = created.json()
-            assert body["code"] == 409
+            assert (body["code"], body["error_code"]) == (409, "mode_mismatch")
             assert "fake/kvm" in body["message"] and "fake/tcg" in body["message"]
 
             await a.orchestrator.pause(view.sandbox_id)
@@ -184,6 +185,24 @@ async def test_the_api_answers_409_naming_both_modes_and_health_says_why(
     finally:
         await a.stop()
         await b.stop()
+
+
+def test_a_mode_is_read_from_saved_files_and_repository_manifests() -> None:
+    node = Mode("qemu", "tcg")
+    manifest = {"version": 1, "files": {"driver": "firecracker", "accel": "kvm", "shape": {}}}
+    saved = Mode.of_manifest(manifest)
+    assert saved == Mode("firecracker", "kvm") and str(saved) == "firecracker/kvm"
+    with pytest.raises(ModeMismatch) as refused:
+        node.require("snapshot s1", saved)
+    assert str(refused.value).startswith(
+        "snapshot s1 was saved under firecracker/kvm; this node runs qemu/tcg"
+    )
+    assert (refused.value.saved, refused.value.node) == ("firecracker/kvm", "qemu/tcg")
+    node.require("snapshot s2", Mode("qemu", "tcg"))
+    # A manifest naming no mode is left to fail where its files are read.
+    assert Mode.of_manifest({"files": {"driver": "qemu"}}) is None
+    assert Mode.of_manifest({}) is None
+    node.require("snapshot s3", None)
 
 
 def test_the_mode_reason_says_why_auto_chose() -> None:

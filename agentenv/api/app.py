@@ -68,6 +68,7 @@ from agentenv.observability import RequestMetrics
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
+    OrchestratorError,
     SandboxNotFound,
     SnapshotNotFound,
     TemplateAliasNotFound,
@@ -563,7 +564,10 @@ def create_app(
                 out.append(ForkResult(sandbox=sandbox_body(result)))
             else:
                 status = http_status(result)
-                out.append(ForkResult(error=ErrorBody(code=status, message=str(result))))
+                code = result.code.value if isinstance(result, OrchestratorError) else None
+                out.append(
+                    ForkResult(error=ErrorBody(code=status, message=str(result), error_code=code))
+                )
         return out
 
     return app

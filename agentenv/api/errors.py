@@ -97,8 +97,11 @@ class ApiError(Exception):
         self.message = message
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+def error_response(status: int, message: str, error_code: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"code": status, "message": message}
+    if error_code is not None:
+        body["error_code"] = error_code
+    return JSONResponse(body, status_code=status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -109,7 +112,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OrchestratorError)
     async def _orchestrator_error(_: Request, exc: OrchestratorError) -> JSONResponse:
-        return error_response(http_status(exc), str(exc))
+        return error_response(http_status(exc), str(exc), exc.code.value)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

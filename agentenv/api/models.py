@@ -128,6 +128,10 @@ _LIFETIME = (
 class ErrorBody(BaseModel):
     code: int
     message: str
+    # What failed, for a caller that acts on it (the orchestrator's ErrorCode, e.g.
+    # "mode_mismatch": saved under another VMM/accelerator, which a node of that mode
+    # can restore); absent on errors the API answers itself.
+    error_code: str | None = None
 
 
 class VolumeMountBody(BaseModel):
