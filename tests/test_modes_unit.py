@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from e2b.api import handle_api_exception
+from e2b.exceptions import SandboxException
 
 from agentenv.api.app import create_app
 from agentenv.config import Config
@@ -164,6 +166,11 @@ async def test_the_api_answers_409_naming_both_modes_and_health_says_why(
             body = created.json()
             assert (body["code"], body["error_code"]) == (409, "mode_mismatch")
             assert "fake/kvm" in body["message"] and "fake/tcg" in body["message"]
+            # What the e2b SDK raises for it (its create and connect hand any status
+            # >= 300 to handle_api_exception): a SandboxException carrying the message.
+            raised = handle_api_exception(created)
+            assert type(raised) is SandboxException and raised.status_code == 409
+            assert body["message"] in str(raised)
 
             await a.orchestrator.pause(view.sandbox_id)
             upload = a.orchestrator.pending_upload(view.sandbox_id)
