@@ -152,6 +152,28 @@ async def test_a_node_restarted_in_another_mode_keeps_what_it_cannot_restore(
         await back.stop()
 
 
+async def test_a_vm_still_running_from_another_mode_forks_no_children(tmp_path: Path) -> None:
+    """After a restart in another mode the fake driver re-attaches a VM still running
+    under the old accelerator (as QEMU does across a KVM/TCG change): its fork image is
+    saved under that one, so each child is refused and the parent runs on."""
+    home, repository = tmp_path / "a", tmp_path / "repository"
+    node = await start_node(home, repository, accel="tcg")
+    parent = await node.orchestrator.create(FAKE_TEMPLATE)
+    network = node.network
+    await node.stop()
+    other = await start_node(home, repository, network=network, accel="kvm")
+    try:
+        results = await other.orchestrator.fork(parent.sandbox_id, 2)
+        assert len(results) == 2
+        for result in results:
+            assert isinstance(result, ModeMismatch), result
+            assert "was saved under fake/tcg; this node runs fake/kvm" in str(result)
+        assert other.orchestrator.get(parent.sandbox_id).state == "running"
+        assert [v.sandbox_id for v in other.orchestrator.list_sandboxes()] == [parent.sandbox_id]
+    finally:
+        await other.stop()
+
+
 async def test_the_api_answers_409_naming_both_modes_and_health_says_why(
     tmp_path: Path,
 ) -> None:

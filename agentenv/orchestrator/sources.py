@@ -74,8 +74,12 @@ class Sources:
 
     def check_mode(self, source: Source) -> None:
         """:class:`ModeMismatch` unless ``source`` was saved under this node's mode."""
-        what = "template" if source.snapshot_id is None else "snapshot"
-        self.mode.require(f"{what} {source.template_id}", Mode.of_files(source.snapshot.files))
+        what = (
+            f"template {source.template_id}"
+            if source.snapshot_id is None
+            else f"snapshot {source.snapshot_id}"
+        )
+        self.mode.require(what, Mode.of_files(source.snapshot.files))
 
     async def _resolve(self, template_id: str) -> Source:
         if template_id in BUILTIN_TEMPLATES:
