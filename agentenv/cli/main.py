@@ -328,6 +328,9 @@ def health(output: Output = None) -> None:
         ("vmm", f"{status.vmm} ({status.accel})"),
         ("sandboxes", str(status.sandboxes)),
     ]
+    if status.mode_reason:
+        # Older servers do not say why.
+        rows.insert(3, ("mode reason", status.mode_reason))
     rows += [(f"template {name}", state) for name, state in status.templates.items()]
     if status.disk is not None:
         disk = status.disk
