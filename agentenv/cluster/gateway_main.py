@@ -5,7 +5,6 @@ and key: then clients set ``E2B_DOMAIN`` to the gateway's domain alone)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -20,17 +19,6 @@ from agentenv.cluster.tls import (
     check_server_arguments,
     client_context,
 )
-
-
-def fail_fast_without_sniffio() -> None:
-    """httpcore (under httpx) tries ``import sniffio`` each time it makes a lock, several
-    times per relayed request. Without sniffio installed (anyio no longer needs it) each
-    try searches all of ``sys.path`` again: measured, about a third of the CPU the gateway
-    spends per relayed request. Recording the failed import once makes the later ones fail
-    at once, and httpcore then does what it does without sniffio: takes asyncio, which is
-    what runs here."""
-    if importlib.util.find_spec("sniffio") is None:
-        sys.modules["sniffio"] = None  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +64,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    fail_fast_without_sniffio()
     gateway = Gateway(
         SchedulerClient(args.scheduler, api_key, ca_file=args.ca_file),
         api_key,
