@@ -4,7 +4,9 @@ gateway's routing against fake nodes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,10 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
@@ -222,10 +228,12 @@ class FakeNodes:
         self.down: set[str] = set()
         self.sandboxes: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[httpx.Headers] = []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
         self.requests.append((node, f"{request.method} {request.url.path}"))
+        self.headers.append(request.headers)
         if node in self.down:
             raise httpx.ConnectError("connection refused")
         path = request.url.path
@@ -242,6 +250,11 @@ class FakeNodes:
             return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
+        if path == "/set-cookies":
+            cookies = [("set-cookie", "a=1; Path=/"), ("set-cookie", "b=2; Path=/")]
+            return httpx.Response(
+                200, headers=[*cookies, ("content-length", "2")], stream=_Body(b"ok")
+            )
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
         if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
             return answer(200, b"from " + node.encode())
@@ -480,6 +493,60 @@ async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
     assert (await client.get("/files", headers=traffic)).status_code == 503
     await reg.bind("i1", "a")
     assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
+
+
+async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("i1", "a")
+    await reg.bind("i2", "a")
+    answer = await client.get("/set-cookies", headers={"E2b-Sandbox-Id": "i1"})
+    assert answer.headers.get_list("set-cookie") == ["a=1; Path=/", "b=2; Path=/"]
+    assert answer.headers["content-length"] == "2" and answer.text == "ok"
+    assert "transfer-encoding" not in answer.headers
+    # The gateway keeps no cookies: another sandbox's traffic (on the same node) gets none.
+    client.cookies.clear()
+    assert (await client.get("/files", headers={"E2b-Sandbox-Id": "i2"})).text == "from a"
+    assert "cookie" not in nodes.headers[-1]
+
+
+def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
+    """A node's stream that would run for an hour (a command's output, say) ends on the
+    node once the client goes away: the gateway sees the client leave and lets go of it."""
+    ended = threading.Event()
+
+    async def endless(request: Request) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                yield b"first"
+                await asyncio.sleep(3600)
+            finally:
+                ended.set()
+
+        return StreamingResponse(chunks())
+
+    with ServedApp(Starlette(routes=[Route("/{path:path}", endless)])) as node:
+        reg = registry(Clock())
+        scheduler = SchedulerClient(
+            "http://scheduler.test",
+            KEY,
+            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
+        )
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=node.url))
+            await reg.bind("istream", "a")
+
+        asyncio.run(register())
+        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+            with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
+                traffic = {"E2b-Sandbox-Id": "istream"}
+                with client.stream("GET", "/process", headers=traffic) as answer:
+                    assert answer.status_code == 200
+                    assert next(answer.iter_raw()) == b"first"
+                    assert not ended.is_set()
+            assert ended.wait(60)  # the client's connection closed with the block
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------
