@@ -273,3 +273,45 @@ def test_other_ports_get_the_path_as_sent(server: ServerProcess, secured: dict[s
         echoed = raw_http(server.port, "GET", target, route)
         assert (echoed.status, echoed.body.decode()) == (200, target)
     assert raw_http(server.port, "GET", "/a/../b", route).status == 400
+
+
+COOKIE_SERVER = """
+import http.server
+class Cookies(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = (self.headers.get("Cookie") or "").encode()
+        self.send_response(200)
+        if self.path == "/login":
+            self.send_header("Set-Cookie", "session=alice-secret; Path=/")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("0.0.0.0", 8091), Cookies).serve_forever()
+"""
+
+
+def test_one_clients_cookies_never_reach_anothers_requests(
+    server: ServerProcess, secured: dict[str, Any]
+) -> None:
+    """A web app in the sandbox sets a session cookie for the client that logged in; the
+    proxy must relay it to that client and keep none of it: another client's requests to
+    the same app reach it with only the cookies that client sent."""
+    sandbox_id = secured["sandboxID"]
+    script = COOKIE_SERVER.replace("'", "'\\''")
+    started = run_command(
+        server.url,
+        sandbox_id,
+        f"printf '%s' '{script}' > /tmp/cookies.py"
+        " && (nohup python3 /tmp/cookies.py >/dev/null 2>&1 &)"
+        " && for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/8091) 2>/dev/null && exit 0;"
+        " sleep 0.1; done; exit 1",
+    )
+    assert started.exit_code == 0, started.stderr
+    route = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8091"}
+    login = raw_http(server.port, "GET", "/login", route)
+    assert login.status == 200, login
+    assert "session=alice-secret" in login.headers.get("set-cookie", "")
+    other = raw_http(server.port, "GET", "/whoami", route)
+    assert (other.status, other.body) == (200, b"")
+    own = raw_http(server.port, "GET", "/whoami", {**route, "Cookie": "session=bob"})
+    assert (own.status, own.body) == (200, b"session=bob")
