@@ -229,6 +229,9 @@ class FakeNodes:
         self.sandboxes: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
         self.requests: list[tuple[str, str]] = []
         self.headers: list[httpx.Headers] = []
+        # Nodes that run another mode than template "saved-elsewhere" and sandbox
+        # "ipsaved-elsewhere" were saved under: they refuse both as a node does.
+        self.other_mode: set[str] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
@@ -237,6 +240,16 @@ class FakeNodes:
         if node in self.down:
             raise httpx.ConnectError("connection refused")
         path = request.url.path
+        saved_elsewhere = b"saved-elsewhere" in request.content or "saved-elsewhere" in path
+        if node in self.other_mode and saved_elsewhere:
+            return answer(
+                409,
+                {
+                    "code": 409,
+                    "message": "saved under firecracker/kvm; this node runs qemu/tcg",
+                    "error_code": "mode_mismatch",
+                },
+            )
         if request.method == "POST" and path == "/sandboxes":
             sandbox_id = f"i{node}{len(self.sandboxes[node])}"
             self.sandboxes[node].append(detail(sandbox_id, len(self.sandboxes[node])))
@@ -459,6 +472,39 @@ async def test_connect_moves_a_committed_paused_sandbox_off_a_dead_node(
     # Bound to no node: any node adopts it if it can, else 404.
     assert (await client.post("/sandboxes/ipnew/connect")).status_code == 201
     assert (await client.post("/sandboxes/inope/connect")).status_code == 404
+
+
+async def test_creates_and_connects_go_past_nodes_of_another_mode(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    """In a cluster of mixed modes, a node that cannot restore what was saved under
+    another VMM or accelerator (409 mode_mismatch) is passed for one that can; with none
+    left, its 409 is the answer, and no placement is left reserved."""
+    client, nodes, reg = gateway
+    nodes.other_mode = {"a"}
+    for _ in range(3):
+        created = await client.post("/sandboxes", json={"templateID": "saved-elsewhere"})
+        assert created.status_code == 201, created.text
+        assert created.json()["sandboxID"][1] == "b"
+    nodes.other_mode = {"a", "b"}
+    refused = await client.post("/sandboxes", json={"templateID": "saved-elsewhere"})
+    assert refused.status_code == 409
+    assert refused.json()["error_code"] == "mode_mismatch"
+    # Only the three sandboxes made hold reservations (until their node's roster shows
+    # them): the refused placements were given back.
+    held = (await reg.store.reservations()).values()
+    assert sorted(r.sandbox_id or "" for r in held) == ["ib0", "ib1", "ib2"]
+    # A paused sandbox bound to a node that now runs another mode: adopted by one that
+    # runs its own.
+    nodes.other_mode = {"a"}
+    await reg.bind("ipsaved-elsewhere", "a")
+    moved = await client.post("/sandboxes/ipsaved-elsewhere/connect")
+    assert moved.status_code == 201 and moved.json() == {"node": "b"}
+    assert (await reg.lookup("ipsaved-elsewhere")).node_id == "b"  # type: ignore[union-attr]
+    nodes.other_mode = {"a", "b"}
+    await reg.bind("ipsaved-elsewhere", "a")
+    stuck = await client.post("/sandboxes/ipsaved-elsewhere/connect")
+    assert stuck.status_code == 409 and stuck.json()["error_code"] == "mode_mismatch"
 
 
 async def test_gateway_health_is_a_node_health_for_the_cluster(

@@ -363,21 +363,37 @@ class Gateway:
         if not isinstance(template, str):
             upstream, data = await self._buffered(request, await self._any_node(), body)
             return _replay(upstream, data)
-        placement = await self.scheduler.place(PlacementRequest(templateID=template))
-        node = placement.node
-        try:
-            upstream, data = await self._buffered(request, node, body)
-        except NodeUnavailable:
+        # A node whose mode (VMM, accelerator) is not the one the template was saved
+        # under refuses it (409 mode_mismatch) before starting anything: the create is
+        # placed again without it, until a node takes it or none is left to ask.
+        refused: tuple[httpx.Response, bytes] | None = None
+        tried: list[str] = []
+        while True:
+            try:
+                placement = await self.scheduler.place(
+                    PlacementRequest(templateID=template, excludeNodes=tried)
+                )
+            except SchedulerRefused:
+                if refused is None:
+                    raise
+                return _replay(*refused)  # every node that could take it is of another mode
+            node = placement.node
+            try:
+                upstream, data = await self._buffered(request, node, body)
+            except NodeUnavailable:
+                await self._record(self.scheduler.release(placement.placement_id))
+                raise
+            sandbox_id = field_of(data, "sandboxID") if upstream.status_code == 201 else None
+            if sandbox_id:
+                await self._record(
+                    self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
+                )
+                return _replay(upstream, data)
             await self._record(self.scheduler.release(placement.placement_id))
-            raise
-        sandbox_id = field_of(data, "sandboxID") if upstream.status_code == 201 else None
-        if sandbox_id:
-            await self._record(
-                self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
-            )
-        else:
-            await self._record(self.scheduler.release(placement.placement_id))
-        return _replay(upstream, data)
+            if not _mode_mismatch(upstream, data):
+                return _replay(upstream, data)
+            refused = (upstream, data)
+            tried.append(node.node_id)
 
     async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> ASGIApp:
         method = request.method
@@ -408,25 +424,40 @@ class Gateway:
         if body is None:
             return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
         gone: NodeUnavailable | None = None
+        refused: tuple[httpx.Response, bytes] | None = None
+        skip: str | None = None
         try:
             owner = await self._owner(sandbox_id)
             if owner is not None:
                 upstream, data = await self._buffered(request, owner, body)
-                return _replay(upstream, data)
+                if not _mode_mismatch(upstream, data):
+                    return _replay(upstream, data)
+                # Its node now runs another mode: one of the saved mode may adopt it.
+                refused, skip = (upstream, data), owner.node_id
         except NodeUnavailable as exc:
             gone = NodeUnavailable(exc.node_id, exc.reason, sandbox_id)
-        others = [n for n in await self._up_nodes() if gone is None or n.node_id != gone.node_id]
+            skip = exc.node_id
+        others = [n for n in await self._up_nodes() if n.node_id != skip]
         if not others:
+            if refused is not None:
+                return _replay(*refused)
             raise gone or NodeUnavailable("(any)", "is not there: no node is up", sandbox_id)
-        # Every node reads the same repository: the first that answers decides.
+        # Every node reads the same repository: the first that answers decides, unless it
+        # runs another mode than the sandbox was paused under.
+        unreachable: NodeUnavailable | None = None
         for adopter in others:
             try:
                 upstream, data = await self._buffered(request, adopter, body)
             except NodeUnavailable as exc:
                 unreachable = exc
                 continue
-            break
+            if not _mode_mismatch(upstream, data):
+                break
+            refused = (upstream, data)
         else:
+            if refused is not None:
+                return _replay(*refused)
+            assert unreachable is not None
             raise gone or unreachable
         if upstream.status_code in (200, 201):
             await self._record(self.scheduler.bind(sandbox_id, adopter.node_id))
@@ -563,6 +594,12 @@ def _route_class(request: Request) -> str:
     if path == "/nodes" or path.startswith("/nodes/"):
         return "nodes"
     return "health" if path == "/health" else "other"
+
+
+def _mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
+    """Whether a node refused because what was asked for was saved under another VMM or
+    accelerator than it runs (a node of that mode would take it)."""
+    return upstream.status_code == 409 and field_of(data, "error_code") == "mode_mismatch"
 
 
 def _replay(upstream: httpx.Response, data: bytes) -> Response:
