@@ -254,20 +254,27 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8090), Echo).serve_forever()
 """
 
 
+def _serve_in_guest(server: ServerProcess, sandbox_id: str, script: str, port: int) -> None:
+    """Start the Python ``script`` (a server on ``port``) in the sandbox, in the
+    background, and wait until it listens."""
+    quoted = script.replace("'", "'\\''")
+    started = run_command(
+        server.url,
+        sandbox_id,
+        f"printf '%s' '{quoted}' > /tmp/app-{port}.py"
+        f" && (nohup python3 /tmp/app-{port}.py >/dev/null 2>&1 &)"
+        f" && for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && exit 0;"
+        " sleep 0.1; done; exit 1",
+    )
+    assert started.exit_code == 0, started.stderr
+
+
 def test_other_ports_get_the_path_as_sent(server: ServerProcess, secured: dict[str, Any]) -> None:
     """An application's own paths are not envd's business: ``//`` and ``%2F`` reach it as
     the client wrote them; a dot segment, which the proxy's HTTP client would resolve, is
     refused rather than silently changed."""
     sandbox_id = secured["sandboxID"]
-    script = ECHO_PATH_SERVER.replace("'", "'\\''")
-    started = run_command(
-        server.url,
-        sandbox_id,
-        f"printf '%s' '{script}' > /tmp/echo.py && (nohup python3 /tmp/echo.py >/dev/null 2>&1 &)"
-        " && for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/8090) 2>/dev/null && exit 0;"
-        " sleep 0.1; done; exit 1",
-    )
-    assert started.exit_code == 0, started.stderr
+    _serve_in_guest(server, sandbox_id, ECHO_PATH_SERVER, 8090)
     route = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8090"}
     for target in ("/a%2Fb//c?x=%2F..%2F", "/plain", "/caf%C3%A9"):
         echoed = raw_http(server.port, "GET", target, route)
@@ -297,16 +304,7 @@ def test_one_clients_cookies_never_reach_anothers_requests(
     proxy must relay it to that client and keep none of it: another client's requests to
     the same app reach it with only the cookies that client sent."""
     sandbox_id = secured["sandboxID"]
-    script = COOKIE_SERVER.replace("'", "'\\''")
-    started = run_command(
-        server.url,
-        sandbox_id,
-        f"printf '%s' '{script}' > /tmp/cookies.py"
-        " && (nohup python3 /tmp/cookies.py >/dev/null 2>&1 &)"
-        " && for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/8091) 2>/dev/null && exit 0;"
-        " sleep 0.1; done; exit 1",
-    )
-    assert started.exit_code == 0, started.stderr
+    _serve_in_guest(server, sandbox_id, COOKIE_SERVER, 8091)
     route = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8091"}
     login = raw_http(server.port, "GET", "/login", route)
     assert login.status == 200, login
