@@ -50,6 +50,7 @@ class NodeSetupError(Exception):
 class NodeRuntime:
     driver: VMMDriver
     accel: Literal["tcg", "kvm"]
+    #: Why this VMM and accelerator: what ``auto`` found, or that they were set.
     reason: str
 
 
@@ -57,19 +58,36 @@ def choose_runtime(config: Config) -> NodeRuntime:
     """Pick the VMM and accelerator. ``auto`` prefers Firecracker where hardware KVM
     runs ordinary guests and the binary is installed, else QEMU (KVM or TCG)."""
     probe = resolve_accelerator(config.accel)
+    accel_reason = f"accel={config.accel}: {probe.reason}"
     if config.vmm == "firecracker" or (config.vmm == "auto" and probe.accel == "kvm"):
         binary = find_firecracker(config.firecracker)
         if binary is not None and probe.accel == "kvm":
-            return NodeRuntime(firecracker_driver(config, binary), "kvm", probe.reason)
+            vmm_reason = vmm_choice_reason(config.vmm, "firecracker", probe.accel)
+            return NodeRuntime(
+                firecracker_driver(config, binary), "kvm", f"{vmm_reason}; {accel_reason}"
+            )
         if config.vmm == "firecracker":
             why = "no Firecracker binary found" if binary is None else probe.reason
             raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
+    vmm_reason = vmm_choice_reason(config.vmm, "qemu", probe.accel)
     driver = QemuDriver(
         tb_size_mib=config.tcg_tb_size_mib,
         confinement=vmm_confinement(config),
         console_limit=config.console_log_bytes,
     )
-    return NodeRuntime(driver, probe.accel, probe.reason)
+    return NodeRuntime(driver, probe.accel, f"{vmm_reason}; {accel_reason}")
+
+
+def vmm_choice_reason(setting: str, chosen: str, accel: str) -> str:
+    """Why ``chosen`` is the VMM under setting ``setting`` with accelerator ``accel``.
+    Names no paths: ``/health`` shows it to anyone."""
+    if setting != "auto":
+        return f"vmm={setting}: set explicitly"
+    if chosen == "firecracker":
+        return "vmm=auto: hardware KVM and a Firecracker binary, so firecracker"
+    if accel != "kvm":
+        return "vmm=auto: Firecracker needs hardware KVM, so qemu"
+    return "vmm=auto: hardware KVM but no Firecracker binary found, so qemu"
 
 
 def firecracker_driver(config: Config, binary: Path) -> FirecrackerDriver:
@@ -147,7 +165,7 @@ def check_tls(config: Config) -> None:
 def build_app(config: Config) -> tuple[FastAPI, Orchestrator, str]:
     runtime = choose_runtime(config)
     api_key = config.ensure_api_key()
-    orchestrator = Orchestrator(config, runtime.driver, runtime.accel)
+    orchestrator = Orchestrator(config, runtime.driver, runtime.accel, mode_reason=runtime.reason)
     log.info("vmm %s, accel %s (%s)", runtime.driver.name, runtime.accel, runtime.reason)
     return create_app(orchestrator, api_key), orchestrator, api_key
 

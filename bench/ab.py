@@ -4,11 +4,12 @@ that comes and goes on a shared machine falls on both alike.
 
 Both servers run at once. Each cycle times, on each server in turn (the order swapped
 every cycle): create → running, the first command, pause, resume → running (connect)
-and the first command after it, then kill. The table shows each metric's median and
-p90 for both and the candidate's median over the baseline's.
+and the first command after it, with ``--fork N`` a fork of N children → API (the
+children are killed untimed), then kill. The table shows each metric's median and p90
+for both and the candidate's median over the baseline's.
 
 Usage (as root):
-  .venv/bin/python bench/ab.py --baseline /path/to/other/checkout [--cycles 30]
+  .venv/bin/python bench/ab.py --baseline /path/to/other/checkout [--cycles 30] [--fork 16]
   .venv/bin/python bench/ab.py --baseline-env AENV_CONFINE_VMM=false   # same code
 """
 
@@ -51,7 +52,7 @@ def started(home: Path, checkout: Path, env: dict[str, str]) -> Iterator[ServerP
         yield srv
 
 
-def cycle(server: ServerProcess, c: httpx.Client) -> dict[str, float]:
+def cycle(server: ServerProcess, c: httpx.Client, fork: int = 0) -> dict[str, float]:
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     body = expect(c.post("/sandboxes", json={"templateID": "base", "timeout": 600}), 201).json()
@@ -67,6 +68,14 @@ def cycle(server: ServerProcess, c: httpx.Client) -> dict[str, float]:
     t["resume_to_running"] = time.perf_counter() - r0
     assert run_command(server.url, sandbox_id, "echo hi", token=token).stdout == "hi\n"
     t["resume_to_first_command"] = time.perf_counter() - r0
+    if fork:
+        f0 = time.perf_counter()
+        forked = expect(c.post(f"/sandboxes/{sandbox_id}/fork", json={"count": fork}), 201)
+        t["fork_to_api"] = time.perf_counter() - f0
+        errors = [item["error"] for item in forked.json() if "error" in item]
+        assert not errors, errors
+        for item in forked.json():
+            expect(c.delete(f"/sandboxes/{item['sandbox']['sandboxID']}"), 204)
     k0 = time.perf_counter()
     expect(c.delete(f"/sandboxes/{sandbox_id}"), 204)
     t["kill"] = time.perf_counter() - k0
@@ -90,13 +99,15 @@ def main() -> None:
     parser.add_argument("--candidate-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--cycles", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--fork", type=int, default=0, help="children per fork (0: no fork)")
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/agentenv-bench"))
     parser.add_argument("--json", type=Path, default=Path("bench/results/ab.json"))
     args = parser.parse_args()
     prepare_data_dir(args.data_dir)
     home = Path(tempfile.mkdtemp(prefix="aenv-ab-", dir=args.data_dir))
     names = ("baseline", "candidate")
-    results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in METRICS} for n in names}
+    metrics = METRICS + (("fork_to_api",) if args.fork else ())
+    results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in metrics} for n in names}
     try:
         with ExitStack() as stack:
             servers = {
@@ -113,7 +124,7 @@ def main() -> None:
             for i in range(args.warmup + args.cycles):
                 order = names if i % 2 == 0 else names[::-1]
                 for name in order:
-                    timings = cycle(servers[name], clients[name])
+                    timings = cycle(servers[name], clients[name], args.fork)
                     if i >= args.warmup:
                         for metric, value in timings.items():
                             results[name][metric].append(value)
@@ -125,7 +136,7 @@ def main() -> None:
         f"{'metric':26} {'baseline p50':>12} {'p90':>8} {'candidate p50':>14} {'p90':>8} "
         f"{'ratio':>6}"
     )
-    for metric in METRICS:
+    for metric in metrics:
         b, c = results["baseline"][metric], results["candidate"][metric]
         bm, cm = statistics.median(b), statistics.median(c)
         row = {

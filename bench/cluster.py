@@ -8,7 +8,10 @@ repository):
   read_1mib             GET /files of a 1 MiB file; also as MiB/s, gateway over direct
   gateway_rps           envd /health requests per second through the gateway, pinned to
                         one core, from 32 concurrent clients for ``--rps-seconds``
-                        (the node's proxy measured the same way, for scale)
+                        (the node's proxy measured the same way, for scale), and the
+                        CPU time (user and system) the gateway's process and the node's
+                        server process spent per request meanwhile: a figure the other
+                        loads of a shared machine sway far less than latencies
   spread                where 60 creates through the gateway land (waves of 15, three
                         in flight, each wave killed before the next)
 
@@ -75,7 +78,8 @@ def create(api: httpx.Client) -> dict[str, Any]:
 
 
 def timed_pairs(runs: int, gateway_call: Any, direct_call: Any) -> tuple[list[float], list[float]]:
-    via, direct = [], []
+    via: list[float] = []
+    direct: list[float] = []
     for _ in range(runs):
         for call, out in ((gateway_call, via), (direct_call, direct)):
             t0 = time.perf_counter()
@@ -93,7 +97,16 @@ def run_true(api: httpx.Client) -> None:
     answer.raise_for_status()
 
 
-async def rps(url: str, headers: dict[str, str], seconds: float, clients: int = 32) -> float:
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU time process ``pid`` has used (not its children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def rps(
+    url: str, headers: dict[str, str], seconds: float, clients: int = 32
+) -> tuple[float, int]:
+    """Requests per second, and how many were answered."""
     done = 0
     deadline = time.monotonic() + seconds
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -110,7 +123,7 @@ async def rps(url: str, headers: dict[str, str], seconds: float, clients: int = 
 
         started = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(clients)))
-        return done / (time.monotonic() - started)
+        return done / (time.monotonic() - started), done
 
 
 def spread(cluster: LocalCluster, total: int = 60, wave: int = 15) -> dict[str, int]:
@@ -165,9 +178,15 @@ def bench(cluster: LocalCluster, runs: int, rps_seconds: float) -> dict[str, Any
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(gateway_pid, {cpus[0]})
         os.sched_setaffinity(0, set(cpus[1:]) or {cpus[0]})
+        node_pid = cluster.procs[home].pid
+        assert node_pid is not None
         try:
-            gateway_rps = asyncio.run(rps(cluster.gateway_url, dict(routing), rps_seconds))
-            direct_rps = asyncio.run(rps(node_url(cluster, home), dict(routing), rps_seconds))
+            spent = cpu_seconds(gateway_pid)
+            gateway_rps, done = asyncio.run(rps(cluster.gateway_url, dict(routing), rps_seconds))
+            gateway_cpu = (cpu_seconds(gateway_pid) - spent) / max(1, done)
+            spent = cpu_seconds(node_pid)
+            direct_rps, done = asyncio.run(rps(node_url(cluster, home), dict(routing), rps_seconds))
+            node_cpu = (cpu_seconds(node_pid) - spent) / max(1, done)
         finally:
             os.sched_setaffinity(gateway_pid, set(cpus))
             os.sched_setaffinity(0, set(cpus))
@@ -188,7 +207,14 @@ def bench(cluster: LocalCluster, runs: int, rps_seconds: float) -> dict[str, Any
         for sandbox in made:
             api.delete(f"/sandboxes/{sandbox}")
     landed = spread(cluster)
-    return {"raw": raw, "gateway_rps": gateway_rps, "direct_rps": direct_rps, "spread": landed}
+    return {
+        "raw": raw,
+        "gateway_rps": gateway_rps,
+        "direct_rps": direct_rps,
+        "gateway_cpu": gateway_cpu,
+        "node_cpu": node_cpu,
+        "spread": landed,
+    }
 
 
 def main() -> None:
@@ -236,6 +262,10 @@ def main() -> None:
         f"requests/s, envd /health: gateway on one core {result['gateway_rps']:.0f}, "
         f"node proxy {result['direct_rps']:.0f}"
     )
+    print(
+        f"CPU per envd /health request: gateway {result['gateway_cpu'] * 1000:.2f} ms, "
+        f"node server (its proxy) {result['node_cpu'] * 1000:.2f} ms"
+    )
     print(f"60 creates through the gateway landed: {result['spread']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
@@ -248,6 +278,8 @@ def main() -> None:
                 "read_1mib_throughput_ratio": read_ratio,
                 "gateway_rps_one_core": result["gateway_rps"],
                 "node_proxy_rps": result["direct_rps"],
+                "gateway_cpu_ms_per_request": result["gateway_cpu"] * 1000,
+                "node_server_cpu_ms_per_request": result["node_cpu"] * 1000,
                 "spread_of_60_creates": result["spread"],
                 "raw_seconds": raw,
             },

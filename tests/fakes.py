@@ -515,11 +515,13 @@ async def start_node(
     in_memory_store: bool = False,
     configure: Callable[[Config], Config] = lambda c: c,
     watch_handoffs: bool = True,
+    accel: Literal["tcg", "kvm"] = "tcg",
 ) -> Node:
     """An :class:`Orchestrator` started on data directory ``home`` with the
     ``file://`` repository ``repository`` (shared by nodes given the same one); with
     ``template``, the fake template is registered as :data:`FAKE_TEMPLATE`. The store is
-    the data directory's (a restart finds it again) unless ``in_memory_store``."""
+    the data directory's (a restart finds it again) unless ``in_memory_store``. The node
+    runs the fake driver under ``accel`` (its mode: ``fake/<accel>``)."""
     config = configure(
         Config(
             home=home,
@@ -537,21 +539,22 @@ async def start_node(
     orchestrator = Orchestrator(
         config,
         driver,
-        "tcg",
+        accel,
         network=network,
         store=Store(None) if in_memory_store else None,
         http=envd.client(),
+        mode_reason=f"accel={accel}: set explicitly",
     )
     await orchestrator.startup(build_base=False, watch_handoffs=watch_handoffs)
     if template and orchestrator.store.get_template(FAKE_TEMPLATE) is None:
-        snapshot = make_fake_template(config.templates_dir / FAKE_TEMPLATE / "build-1")
+        snapshot = make_fake_template(config.templates_dir / FAKE_TEMPLATE / "build-1", accel=accel)
         orchestrator.store.put_template(
             TemplateRecord(
                 template_id=FAKE_TEMPLATE,
                 build_id="build-1",
                 snapshot_dir=snapshot.directory,
                 vmm=FAKE_DRIVER,
-                accel="tcg",
+                accel=accel,
                 vcpus=snapshot.vcpus,
                 memory_mib=snapshot.memory_mib,
                 disk_size_mib=snapshot.disk_size_mib,

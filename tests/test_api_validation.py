@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -329,7 +330,7 @@ async def test_registered_build_never_started_releases_its_name(
 ) -> None:
     assert (await api.post("/v3/templates", json={"name": "abandoned"})).status_code == 202
     error_of(await api.post("/v3/templates", json={"name": "abandoned"}), 409)
-    monkeypatch.setattr(builds_module, "UNSTARTED_BUILD_HOLD", builds_module.timedelta(0))
+    monkeypatch.setattr(builds_module, "UNSTARTED_BUILD_HOLD", timedelta(0))
     assert (await api.post("/v3/templates", json={"name": "abandoned"})).status_code == 202
 
 

@@ -255,6 +255,7 @@ def test_health_shows_the_disk_and_why_the_node_is_degraded(
     server: StandIn, capsys: pytest.CaptureFixture[str]
 ) -> None:
     health = {"status": "degraded", "version": "0.1.0", "vmm": "qemu", "accel": "tcg",
+              "mode": "qemu/tcg", "modeReason": "vmm=auto: Firecracker needs hardware KVM",
               "templates": {}, "sandboxes": 0, "detail": "below its free-space floor",
               "disk": {"freeBytes": 1 << 29, "totalBytes": 8 << 30,
                        "floorBytes": 1 << 30}}  # fmt: skip
@@ -263,6 +264,7 @@ def test_health_shows_the_disk_and_why_the_node_is_degraded(
     assert code == 0
     assert "0.5 GiB free of 8.0 GiB, floor 1.0 GiB" in out
     assert "degraded" in out and "below its free-space floor" in out
+    assert "vmm=auto: Firecracker needs hardware KVM" in out
 
 
 @pytest.mark.parametrize(

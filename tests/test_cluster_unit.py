@@ -4,7 +4,9 @@ gateway's routing against fake nodes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,10 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
@@ -222,13 +228,28 @@ class FakeNodes:
         self.down: set[str] = set()
         self.sandboxes: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[httpx.Headers] = []
+        # Nodes that run another mode than template "saved-elsewhere" and sandbox
+        # "ipsaved-elsewhere" were saved under: they refuse both as a node does.
+        self.other_mode: set[str] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
         self.requests.append((node, f"{request.method} {request.url.path}"))
+        self.headers.append(request.headers)
         if node in self.down:
             raise httpx.ConnectError("connection refused")
         path = request.url.path
+        saved_elsewhere = b"saved-elsewhere" in request.content or "saved-elsewhere" in path
+        if node in self.other_mode and saved_elsewhere:
+            return answer(
+                409,
+                {
+                    "code": 409,
+                    "message": "saved under firecracker/kvm; this node runs qemu/tcg",
+                    "error_code": "mode_mismatch",
+                },
+            )
         if request.method == "POST" and path == "/sandboxes":
             sandbox_id = f"i{node}{len(self.sandboxes[node])}"
             self.sandboxes[node].append(detail(sandbox_id, len(self.sandboxes[node])))
@@ -242,6 +263,11 @@ class FakeNodes:
             return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
+        if path == "/set-cookies":
+            cookies = [("set-cookie", "a=1; Path=/"), ("set-cookie", "b=2; Path=/")]
+            return httpx.Response(
+                200, headers=[*cookies, ("content-length", "2")], stream=_Body(b"ok")
+            )
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
         if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
             return answer(200, b"from " + node.encode())
@@ -448,6 +474,39 @@ async def test_connect_moves_a_committed_paused_sandbox_off_a_dead_node(
     assert (await client.post("/sandboxes/inope/connect")).status_code == 404
 
 
+async def test_creates_and_connects_go_past_nodes_of_another_mode(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    """In a cluster of mixed modes, a node that cannot restore what was saved under
+    another VMM or accelerator (409 mode_mismatch) is passed for one that can; with none
+    left, its 409 is the answer, and no placement is left reserved."""
+    client, nodes, reg = gateway
+    nodes.other_mode = {"a"}
+    for _ in range(3):
+        created = await client.post("/sandboxes", json={"templateID": "saved-elsewhere"})
+        assert created.status_code == 201, created.text
+        assert created.json()["sandboxID"][1] == "b"
+    nodes.other_mode = {"a", "b"}
+    refused = await client.post("/sandboxes", json={"templateID": "saved-elsewhere"})
+    assert refused.status_code == 409
+    assert refused.json()["error_code"] == "mode_mismatch"
+    # Only the three sandboxes made hold reservations (until their node's roster shows
+    # them): the refused placements were given back.
+    held = (await reg.store.reservations()).values()
+    assert sorted(r.sandbox_id or "" for r in held) == ["ib0", "ib1", "ib2"]
+    # A paused sandbox bound to a node that now runs another mode: adopted by one that
+    # runs its own.
+    nodes.other_mode = {"a"}
+    await reg.bind("ipsaved-elsewhere", "a")
+    moved = await client.post("/sandboxes/ipsaved-elsewhere/connect")
+    assert moved.status_code == 201 and moved.json() == {"node": "b"}
+    assert (await reg.lookup("ipsaved-elsewhere")).node_id == "b"  # type: ignore[union-attr]
+    nodes.other_mode = {"a", "b"}
+    await reg.bind("ipsaved-elsewhere", "a")
+    stuck = await client.post("/sandboxes/ipsaved-elsewhere/connect")
+    assert stuck.status_code == 409 and stuck.json()["error_code"] == "mode_mismatch"
+
+
 async def test_gateway_health_is_a_node_health_for_the_cluster(
     gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
 ) -> None:
@@ -480,6 +539,60 @@ async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
     assert (await client.get("/files", headers=traffic)).status_code == 503
     await reg.bind("i1", "a")
     assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
+
+
+async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    client, nodes, reg = gateway
+    await reg.bind("i1", "a")
+    await reg.bind("i2", "a")
+    answer = await client.get("/set-cookies", headers={"E2b-Sandbox-Id": "i1"})
+    assert answer.headers.get_list("set-cookie") == ["a=1; Path=/", "b=2; Path=/"]
+    assert answer.headers["content-length"] == "2" and answer.text == "ok"
+    assert "transfer-encoding" not in answer.headers
+    # The gateway keeps no cookies: another sandbox's traffic (on the same node) gets none.
+    client.cookies.clear()
+    assert (await client.get("/files", headers={"E2b-Sandbox-Id": "i2"})).text == "from a"
+    assert "cookie" not in nodes.headers[-1]
+
+
+def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
+    """A node's stream that would run for an hour (a command's output, say) ends on the
+    node once the client goes away: the gateway sees the client leave and lets go of it."""
+    ended = threading.Event()
+
+    async def endless(request: Request) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                yield b"first"
+                await asyncio.sleep(3600)
+            finally:
+                ended.set()
+
+        return StreamingResponse(chunks())
+
+    with ServedApp(Starlette(routes=[Route("/{path:path}", endless)])) as node:
+        reg = registry(Clock())
+        scheduler = SchedulerClient(
+            "http://scheduler.test",
+            KEY,
+            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
+        )
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=node.url))
+            await reg.bind("istream", "a")
+
+        asyncio.run(register())
+        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+            with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
+                traffic = {"E2b-Sandbox-Id": "istream"}
+                with client.stream("GET", "/process", headers=traffic) as answer:
+                    assert answer.status_code == 200
+                    assert next(answer.iter_raw()) == b"first"
+                    assert not ended.is_set()
+            assert ended.wait(60)  # the client's connection closed with the block
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator
 
@@ -51,7 +52,8 @@ async def guest(*ports: int) -> AsyncIterator[list[tuple[int, str, dict[str, obj
     seen: list[tuple[int, str, dict[str, object]]] = []
     loop = asyncio.get_running_loop()
     servers = [
-        await loop.create_server(lambda p=port: StandInEnvd(p, seen), GUEST, port) for port in ports
+        await loop.create_server(functools.partial(StandInEnvd, port, seen), GUEST, port)
+        for port in ports
     ]
     try:
         yield seen

@@ -3,6 +3,7 @@ fake VMs and a fake envd (no VMs; the SDK's view is tests/e2b/test_sdk_metrics.p
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -11,7 +12,6 @@ from typing import cast
 import httpx
 import pytest
 
-from agentenv.orchestrator import metrics
 from agentenv.orchestrator.errors import SandboxNotFound
 from agentenv.orchestrator.metrics import GUEST_SAMPLE_INTERVAL_S, GuestSample, MetricsHistory
 from agentenv.orchestrator.states import SandboxState
@@ -138,7 +138,7 @@ async def test_samples_between_guest_ones_are_measured_on_the_host(
     view = await orch.get_settled(sandbox_id)
     vm = _MeteredVM()
     clock = [1000.0]
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     history = MetricsHistory(
         orch.store, orch.http, lambda _: cast(VirtualMachine, vm), interval_s=5
     )

@@ -25,8 +25,9 @@ from agentenv.network import EgressPolicy, NetworkError
 from agentenv.orchestrator.network_options import NetworkOptions, traffic_token_matches
 from agentenv.orchestrator.records import PausedEntry
 from agentenv.orchestrator.store import Store
-from agentenv.proxy.forward import ProxyTarget, Refusal, SandboxProxy, target_of
+from agentenv.proxy.forward import ProxyTarget, SandboxProxy, target_of
 from agentenv.proxy.paths import RequestPath
+from agentenv.proxy.relay import Refusal
 from tests.fakes import FAKE_TEMPLATE, Node, in_process_client, start_node
 
 pytestmark = pytest.mark.skipif(

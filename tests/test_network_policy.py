@@ -53,7 +53,7 @@ def test_bad_entries_name_their_option(
     field: str, options: dict[str, list[str]], named: str
 ) -> None:
     with pytest.raises(PolicyError) as caught:
-        EgressPolicy.parse(allow_internet=True, **options)  # type: ignore[arg-type]
+        EgressPolicy.parse(allow_internet=True, **options)
     assert caught.value.field == field
     assert named in str(caught.value)
 

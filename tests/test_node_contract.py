@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 
 from agentenv.api.errors import HTTP_STATUS, http_status
-from agentenv.orchestrator.errors import ErrorCode, NodeCacheFull, OrchestratorError
+from agentenv.orchestrator.errors import (
+    ErrorCode,
+    ModeMismatch,
+    NodeCacheFull,
+    OrchestratorError,
+)
 from agentenv.orchestrator.layout import SandboxDir, UploadState
 from agentenv.orchestrator.records import MalformedRecord, PausedEntry, SnapshotEntry
 from agentenv.orchestrator.states import SandboxState, StateChanged
@@ -64,6 +69,7 @@ def test_a_malformed_record_is_refused_with_what_it_is() -> None:
 def test_every_error_code_has_an_http_status() -> None:
     assert set(HTTP_STATUS) == set(ErrorCode)
     assert http_status(NodeCacheFull("full")) == 507
+    assert http_status(ModeMismatch("snapshot s", "firecracker/kvm", "qemu/tcg")) == 409
     assert http_status(StateChanged("iabc", SandboxState.RUNNING, None)) == 409
     assert http_status(OrchestratorError("x")) == 500
     assert http_status(ValueError("x")) == 500

@@ -14,7 +14,7 @@ from e2b.sandbox.signature import get_signature
 
 from agentenv.cluster.models import NodeInfo
 from agentenv.cluster.signed_files import signer_node
-from agentenv.proxy.forward import Refusal
+from agentenv.proxy.relay import Refusal
 from agentenv.proxy.signed import (
     SIGNER_PATH,
     FilesNotRouted,

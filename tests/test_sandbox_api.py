@@ -43,7 +43,15 @@ def wait_gone(c: httpx.Client, home: Path, sandbox_id: str, limit: float = 60.0)
 def test_health_needs_no_key(server: ServerProcess) -> None:
     response = httpx.get(f"{server.url}/health", trust_env=False)
     assert response.status_code == 200
-    assert response.json()["templates"]["base"] == "ready"
+    health = response.json()
+    assert health["templates"]["base"] == "ready"
+    # The mode, and why the server chose it (what `auto` found, or that it was set).
+    assert health["mode"] == f"{health['vmm']}/{health['accel']}"
+    reason = health["modeReason"]
+    assert reason.startswith("vmm=") and "; accel=" in reason, reason
+    # Nothing a caller without the key should learn: no data directory, no key.
+    assert server.home.as_posix() not in reason
+    assert server.api_key not in response.text
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "e2b_wrong"}])

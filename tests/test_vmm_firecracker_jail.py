@@ -207,8 +207,8 @@ def test_chroot_holds_hard_links_with_the_vmms_ownership(tmp_path: Path) -> None
     for source in (spec.drives[1].path, state, memory):
         assert _mode(source) == (0, gid, 0o640)
     assert _mode(kernel) == (0, 0, 0o644)
-    for directory in ("run", "snapshot-out"):
-        assert _mode(root / directory) == (uid, gid, 0o700)
+    for name in ("run", "snapshot-out"):
+        assert _mode(root / name) == (uid, gid, 0o700)
     for directory in (jail.base, root.parent, root.parent.parent, root / "drives", root / "boot"):
         assert _mode(directory) == (0, 0, 0o711)
 

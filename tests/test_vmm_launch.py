@@ -5,8 +5,10 @@ another user. Tests that create namespaces or cgroups need root."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -226,6 +228,33 @@ async def test_shared_output_file_is_appended_to(tmp_path: Path) -> None:
     process = launch(spec)
     assert await process.wait(10)
     assert log.read_text() == "old\nout\nerr\n"
+
+
+# What the VMM under --deny-punch-hole gets from fallocate: punching a hole, zeroing a
+# range, allocating (mode bits of linux/falloc.h).
+_FALLOCATE_PROBE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(sys.argv[1], os.O_RDWR)
+for name, mode in (("punch", 0x03), ("zero", 0x10), ("allocate", 0)):
+    failed = libc.fallocate(fd, mode, ctypes.c_long(0), ctypes.c_long(65536))
+    print(name, os.strerror(ctypes.get_errno()) if failed else "ok")
+"""
+
+
+async def test_hole_punching_is_denied_and_nothing_else(tmp_path: Path) -> None:
+    data = tmp_path / "ram"
+    data.write_bytes(b"x" * (1 << 20))
+    argv = (sys.executable, "-c", _FALLOCATE_PROBE, str(data))
+    spec = _spec(tmp_path, argv, deny_hole_punching=True)
+    assert command_line(spec)[1:3] == ["--deny-punch-hole", "--"]
+    process = launch(spec)
+    assert await process.wait(30)
+    assert process.returncode == 0, (tmp_path / "err.log").read_text()
+    punch, zero, allocate = (tmp_path / "out.log").read_text().splitlines()
+    assert punch == f"punch {os.strerror(errno.EOPNOTSUPP)}"
+    assert (zero, allocate) == ("zero ok", "allocate ok")
+    assert data.read_bytes() == b"\0" * 65536 + b"x" * ((1 << 20) - 65536)
 
 
 async def test_process_outlives_a_dropped_handle(tmp_path: Path) -> None:

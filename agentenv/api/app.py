@@ -68,6 +68,7 @@ from agentenv.observability import RequestMetrics
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
     Conflict,
+    OrchestratorError,
     SandboxNotFound,
     SnapshotNotFound,
     TemplateAliasNotFound,
@@ -235,6 +236,8 @@ def create_app(
             version=__version__,
             vmm=node.vmm,
             accel=node.accel,
+            mode=f"{node.vmm}/{node.accel}",
+            modeReason=node.mode_reason or None,
             templates=node.templates,
             sandboxes=node.sandboxes,
             detail=node.problem,
@@ -561,7 +564,10 @@ def create_app(
                 out.append(ForkResult(sandbox=sandbox_body(result)))
             else:
                 status = http_status(result)
-                out.append(ForkResult(error=ErrorBody(code=status, message=str(result))))
+                code = result.code.value if isinstance(result, OrchestratorError) else None
+                out.append(
+                    ForkResult(error=ErrorBody(code=status, message=str(result), error_code=code))
+                )
         return out
 
     return app

@@ -47,6 +47,11 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TAG_NOT_FOUND: 404,
     ErrorCode.SECRET_NOT_FOUND: 404,
     ErrorCode.VOLUME_NOT_FOUND: 404,
+    # Saved under another VMM/accelerator than this node runs: the request is valid and
+    # what it names exists, but cannot be restored in this node's current mode (a node
+    # of the saved mode can). 409, not 422: the API answers no 422 (validation is 400
+    # and the OpenAPI document lists none), and the conflict is with the node's state.
+    ErrorCode.MODE_MISMATCH: 409,
 }
 
 _DESCRIPTIONS = {
@@ -55,7 +60,8 @@ _DESCRIPTIONS = {
     401: "Missing or wrong API key",
     403: "Bad upload token",
     404: "No such sandbox, snapshot, template, volume or route",
-    409: "Conflict with the current state (already paused, name taken, ...)",
+    409: "Conflict with the current state (already paused, name taken, saved under "
+    "another VMM or accelerator than the node runs, ...)",
     413: "Request body too large",
     431: "Request headers too large",
     500: "Internal error",
@@ -91,8 +97,11 @@ class ApiError(Exception):
         self.message = message
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+def error_response(status: int, message: str, error_code: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"code": status, "message": message}
+    if error_code is not None:
+        body["error_code"] = error_code
+    return JSONResponse(body, status_code=status)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -103,7 +112,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OrchestratorError)
     async def _orchestrator_error(_: Request, exc: OrchestratorError) -> JSONResponse:
-        return error_response(http_status(exc), str(exc))
+        return error_response(http_status(exc), str(exc), exc.code.value)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

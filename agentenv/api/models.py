@@ -128,6 +128,10 @@ _LIFETIME = (
 class ErrorBody(BaseModel):
     code: int
     message: str
+    # What failed, for a caller that acts on it (the orchestrator's ErrorCode, e.g.
+    # "mode_mismatch": saved under another VMM/accelerator, which a node of that mode
+    # can restore); absent on errors the API answers itself.
+    error_code: str | None = None
 
 
 class VolumeMountBody(BaseModel):
@@ -403,6 +407,11 @@ class Health(BaseModel):
     version: str
     vmm: str
     accel: str
+    # "vmm/accel": what the node restores sandboxes under; templates, snapshots and paused
+    # sandboxes saved under another mode answer 409 here.
+    mode: str | None = None
+    # Why this mode: what AENV_VMM/AENV_ACCEL "auto" found on the host, or "set explicitly".
+    mode_reason: str | None = Field(default=None, alias="modeReason")
     templates: dict[str, str]
     sandboxes: int
     detail: str | None = None

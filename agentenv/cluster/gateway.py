@@ -13,7 +13,8 @@ scheduler, so several gateways can run against one scheduler.
   healthy node (the same one while it is up, so a template build's polls find it).
 - Sandbox traffic (``E2b-Sandbox-Id`` headers, ``{port}-{id}.{domain}`` hosts) is relayed
   to the owning node's proxy as it came (headers and Host kept), streaming both ways,
-  WebSockets included; the node's proxy checks tokens and reaches the guest. A signed
+  WebSockets included (``traffic`` does it); the node's proxy checks tokens and reaches
+  the guest. A signed
   ``/files`` URL naming no sandbox goes to the node whose sandbox signed it
   (``signed_files``).
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
@@ -38,19 +39,16 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
-import websockets
 from prometheus_client import CollectorRegistry, Histogram
-from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
-from websockets.asyncio.client import connect as ws_connect
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
 from agentenv.cluster.answers import field_of, fork_children, read_bounded
@@ -69,16 +67,22 @@ from agentenv.cluster.scheduler_client import (
 )
 from agentenv.cluster.signed_files import signer_node
 from agentenv.cluster.tls import client_context
+from agentenv.cluster.traffic import (
+    NODE_TIMEOUT,
+    NodeUnavailable,
+    RelayedAnswer,
+    node_headers,
+    relay_websocket,
+    send_to_node,
+)
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
 from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches
 from agentenv.proxy.forward import ProxyTarget, target_of
 from agentenv.proxy.relay import (
-    HOP_BY_HOP,
     Refusal,
     deny_websocket,
     has_body,
     oversized_head,
-    pump_websocket,
     refuse,
     response_headers,
 )
@@ -93,28 +97,12 @@ KEEP_ALIVE_S = 330
 
 _SANDBOX_ROUTE = re.compile(r"^/(?:v2/)?sandboxes/(?P<id>[^/]+)(?P<rest>/[^?]*)?$")
 _LISTING = frozenset({"/sandboxes", "/v2/sandboxes"})
-# Hop-by-hop headers are the connection's; Host is kept, so a node routes
-# `{port}-{id}.{domain}` names as it would have without the gateway.
-_NOT_FORWARDED = HOP_BY_HOP - {"host"}
 # On listings: the nodes that are down, whose sandboxes the listing lacks.
 _MISSING_NODES_HEADER = "X-Aenv-Nodes-Down"
 
 
-class NodeUnavailable(Exception):
-    def __init__(self, node_id: str, reason: str, sandbox_id: str | None = None) -> None:
-        subject = f"sandbox {sandbox_id} is on node {node_id}" if sandbox_id else f"node {node_id}"
-        super().__init__(f"node unavailable: {subject}, which {reason}")
-        self.node_id = node_id
-        self.reason = reason
-        self.sandbox_id = sandbox_id
-
-
 def _error(status: int, message: str) -> Response:
     return Refusal(status, message).response()
-
-
-def _node_headers(headers: Headers) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in headers.items() if k not in _NOT_FORWARDED]
 
 
 class Gateway:
@@ -156,15 +144,18 @@ class Gateway:
         )
         # What https:// nodes are verified with, for HTTP and WebSockets alike.
         self.node_tls: ssl.SSLContext = client_context(ca_file)
-        # One client (one connection pool) for every node. No overall timeout: streams
-        # (process output, downloads) may run for long.
-        self.http = httpx.AsyncClient(
-            trust_env=False,
+        # One connection pool for every node. Relayed requests go to it directly
+        # (``traffic``); what the gateway asks nodes itself goes through a client on it.
+        self.transport = transport or httpx.AsyncHTTPTransport(
             verify=self.node_tls,
-            timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=None),
+            trust_env=False,
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-            transport=transport,
         )
+        self.http = httpx.AsyncClient(
+            trust_env=False, timeout=NODE_TIMEOUT, transport=self.transport
+        )
+        # Parsed node URLs, by the URL text a node reports.
+        self._node_urls: dict[str, httpx.URL] = {}
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -183,11 +174,15 @@ class Gateway:
             return
         headers = Headers(scope=scope)
         target = target_of(headers, self.domain)
+        response: ASGIApp
         try:
             if scope["type"] == "websocket":
                 await self._websocket(scope, receive, send, target)
                 return
-            response = await self._http(Request(scope, receive), target)
+            if target is not None:
+                response = await self._traffic(scope, receive, headers, target)
+            else:
+                response = await self._http(Request(scope, receive))
         except NodeUnavailable as exc:
             response = _error(503, str(exc))
         except SchedulerUnavailable as exc:
@@ -243,18 +238,27 @@ class Gateway:
         return nodes[0]
 
     # -- HTTP ----------------------------------------------------------------------------
-    async def _http(self, request: Request, target: ProxyTarget | None) -> Response:
-        request.scope["aenv.route"] = _route_class(request, target)
-        if target is not None:
-            node = await self._traffic_owner(target.sandbox_id)
-            if node is None:
-                # What a node's proxy answers for an unknown sandbox (E2B's edge too).
-                return _error(502, f"The sandbox {target.sandbox_id} was not found")
-            try:
-                return await self._relay(request, node, target.sandbox_id)
-            except NodeUnavailable:
-                self._routes.pop(target.sandbox_id, None)
-                raise
+    async def _traffic(
+        self, scope: Scope, receive: Receive, headers: Headers, target: ProxyTarget
+    ) -> ASGIApp:
+        """A sandbox's traffic, relayed to its node's proxy."""
+        scope["aenv.route"] = "sandbox-traffic"
+        node = await self._traffic_owner(target.sandbox_id)
+        if node is None:
+            # What a node's proxy answers for an unknown sandbox (E2B's edge too).
+            return _error(502, f"The sandbox {target.sandbox_id} was not found")
+        content = None
+        if has_body(scope["method"], headers):
+            content = Request(scope, receive).stream()
+        try:
+            upstream = await self._send_raw(scope, headers, node, content)
+        except NodeUnavailable as exc:
+            self._routes.pop(target.sandbox_id, None)
+            raise NodeUnavailable(exc.node_id, exc.reason, target.sandbox_id) from exc
+        return RelayedAnswer(upstream, node.node_id)
+
+    async def _http(self, request: Request) -> ASGIApp:
+        request.scope["aenv.route"] = _route_class(request)
         path = request.url.path
         if is_files_request(request.scope.get("raw_path") or path.encode()):
             query: bytes = request.scope.get("query_string", b"")
@@ -282,20 +286,27 @@ class Gateway:
     ) -> httpx.Response:
         """The request sent on to ``node`` as it came (raw path, query, headers, body
         streamed unless given), its response head read."""
-        raw_path: bytes = request.scope.get("raw_path") or request.scope["path"].encode()
-        query: bytes = request.scope.get("query_string", b"")
-        url = httpx.URL(node.report.url).copy_with(
-            raw_path=raw_path + (b"?" + query if query else b"")
-        )
         content: Any = body
         if body is None and has_body(request.method, request.headers):
             content = request.stream()
-        upstream = self.http.build_request(
-            request.method, url, headers=_node_headers(request.headers), content=content
-        )
+        return await self._send_raw(request.scope, request.headers, node, content)
+
+    async def _send_raw(
+        self, scope: Scope, headers: Headers, node: NodeInfo, content: Any
+    ) -> httpx.Response:
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        query: bytes = scope.get("query_string", b"")
+        base = self._node_urls.get(node.report.url)
+        if base is None:
+            if len(self._node_urls) > 10_000:
+                self._node_urls.clear()
+            base = self._node_urls[node.report.url] = httpx.URL(node.report.url)
+        url = base.copy_with(raw_path=raw_path + (b"?" + query if query else b""))
         started = time.perf_counter()
         try:
-            answer = await self.http.send(upstream, stream=True)
+            answer = await send_to_node(
+                self.transport, scope["method"], url, node_headers(headers), content
+            )
         except httpx.HTTPError as exc:
             self._upstream(node, started, "error")
             raise NodeUnavailable(
@@ -310,17 +321,12 @@ class Gateway:
 
     async def _relay(
         self, request: Request, node: NodeInfo, sandbox_id: str | None = None
-    ) -> Response:
+    ) -> ASGIApp:
         try:
             upstream = await self._send(request, node)
         except NodeUnavailable as exc:
             raise NodeUnavailable(exc.node_id, exc.reason, sandbox_id) from exc
-        return StreamingResponse(
-            _relay_body(upstream, node),
-            status_code=upstream.status_code,
-            headers=response_headers(upstream),
-            background=BackgroundTask(upstream.aclose),
-        )
+        return RelayedAnswer(upstream, node.node_id)
 
     async def _buffered(
         self, request: Request, node: NodeInfo, body: bytes | None = None
@@ -357,23 +363,39 @@ class Gateway:
         if not isinstance(template, str):
             upstream, data = await self._buffered(request, await self._any_node(), body)
             return _replay(upstream, data)
-        placement = await self.scheduler.place(PlacementRequest(templateID=template))
-        node = placement.node
-        try:
-            upstream, data = await self._buffered(request, node, body)
-        except NodeUnavailable:
+        # A node whose mode (VMM, accelerator) is not the one the template was saved
+        # under refuses it (409 mode_mismatch) before starting anything: the create is
+        # placed again without it, until a node takes it or none is left to ask.
+        refused: tuple[httpx.Response, bytes] | None = None
+        tried: list[str] = []
+        while True:
+            try:
+                placement = await self.scheduler.place(
+                    PlacementRequest(templateID=template, excludeNodes=tried)
+                )
+            except SchedulerRefused:
+                if refused is None:
+                    raise
+                return _replay(*refused)  # every node that could take it is of another mode
+            node = placement.node
+            try:
+                upstream, data = await self._buffered(request, node, body)
+            except NodeUnavailable:
+                await self._record(self.scheduler.release(placement.placement_id))
+                raise
+            sandbox_id = field_of(data, "sandboxID") if upstream.status_code == 201 else None
+            if sandbox_id:
+                await self._record(
+                    self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
+                )
+                return _replay(upstream, data)
             await self._record(self.scheduler.release(placement.placement_id))
-            raise
-        sandbox_id = field_of(data, "sandboxID") if upstream.status_code == 201 else None
-        if sandbox_id:
-            await self._record(
-                self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
-            )
-        else:
-            await self._record(self.scheduler.release(placement.placement_id))
-        return _replay(upstream, data)
+            if not _mode_mismatch(upstream, data):
+                return _replay(upstream, data)
+            refused = (upstream, data)
+            tried.append(node.node_id)
 
-    async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> Response:
+    async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> ASGIApp:
         method = request.method
         self._routes.pop(sandbox_id, None)  # a control-plane call may move or end it
         if method == "POST" and rest == "/connect":
@@ -402,25 +424,40 @@ class Gateway:
         if body is None:
             return _error(413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes")
         gone: NodeUnavailable | None = None
+        refused: tuple[httpx.Response, bytes] | None = None
+        skip: str | None = None
         try:
             owner = await self._owner(sandbox_id)
             if owner is not None:
                 upstream, data = await self._buffered(request, owner, body)
-                return _replay(upstream, data)
+                if not _mode_mismatch(upstream, data):
+                    return _replay(upstream, data)
+                # Its node now runs another mode: one of the saved mode may adopt it.
+                refused, skip = (upstream, data), owner.node_id
         except NodeUnavailable as exc:
             gone = NodeUnavailable(exc.node_id, exc.reason, sandbox_id)
-        others = [n for n in await self._up_nodes() if gone is None or n.node_id != gone.node_id]
+            skip = exc.node_id
+        others = [n for n in await self._up_nodes() if n.node_id != skip]
         if not others:
+            if refused is not None:
+                return _replay(*refused)
             raise gone or NodeUnavailable("(any)", "is not there: no node is up", sandbox_id)
-        # Every node reads the same repository: the first that answers decides.
+        # Every node reads the same repository: the first that answers decides, unless it
+        # runs another mode than the sandbox was paused under.
+        unreachable: NodeUnavailable | None = None
         for adopter in others:
             try:
                 upstream, data = await self._buffered(request, adopter, body)
             except NodeUnavailable as exc:
                 unreachable = exc
                 continue
-            break
+            if not _mode_mismatch(upstream, data):
+                break
+            refused = (upstream, data)
         else:
+            if refused is not None:
+                return _replay(*refused)
+            assert unreachable is not None
             raise gone or unreachable
         if upstream.status_code in (200, 201):
             await self._record(self.scheduler.bind(sandbox_id, adopter.node_id))
@@ -436,7 +473,7 @@ class Gateway:
             _MISSING_NODES_HEADER: ",".join(n.node_id for n in every if n.state is not NodeState.UP)
         }
         query = request.url.query
-        headers = _node_headers(request.headers)
+        headers = node_headers(request.headers)
 
         async def one(node: NodeInfo) -> httpx.Response:
             url = node.report.url.rstrip("/") + request.url.path + (f"?{query}" if query else "")
@@ -535,57 +572,21 @@ class Gateway:
                 send, Refusal(502, f"The sandbox {target.sandbox_id} was not found")
             )
             return
-        headers = Headers(scope=scope)
-        node_url = httpx.URL(node.report.url)
-        # The client sends the URL's host as Host: the client's Host goes in the URL (the
-        # node routes host names by it) and the connection is pointed at the node.
-        host = headers.get("host") or node_url.netloc.decode()
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        query = scope.get("query_string", b"").decode("latin-1")
-        tls = node_url.scheme == "https"
-        scheme = "wss" if tls else "ws"
-        url = f"{scheme}://{host}{raw_path.decode('latin-1')}" + (f"?{query}" if query else "")
-        forwarded = [
-            (k, v)
-            for k, v in _node_headers(headers)
-            if k != "host" and not k.startswith("sec-websocket-")
-        ]
-        try:
-            upstream = await ws_connect(
-                url,
-                host=node_url.host,
-                port=node_url.port or (443 if tls else 80),
-                # The node's certificate names the node (its URL's host), not the
-                # sandbox host name the client used.
-                ssl=self.node_tls if tls else None,
-                server_hostname=node_url.host if tls else None,
-                proxy=None,
-                additional_headers=forwarded,
-                subprotocols=scope.get("subprotocols") or None,
-                open_timeout=10,
-                max_size=None,
-                compression=None,
-            )
-        except websockets.exceptions.InvalidStatus as exc:
-            status = exc.response.status_code
-            message = exc.response.body.decode(errors="replace") if exc.response.body else ""
-            await deny_websocket(send, Refusal(status, message or f"node answered {status}"))
-            return
-        except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-            reason = NodeUnavailable(
-                node.node_id, f"refused a WebSocket ({exc})", target.sandbox_id
-            )
-            await deny_websocket(send, Refusal(503, str(reason)))
-            return
-        async with upstream:
-            await pump_websocket(receive, send, upstream)
+        await relay_websocket(
+            scope,
+            receive,
+            send,
+            node.node_id,
+            httpx.URL(node.report.url),
+            self.node_tls,
+            target.sandbox_id,
+        )
 
 
-def _route_class(request: Request, target: ProxyTarget | None) -> str:
-    """The request's class, the ``route`` label of the gateway's latency metrics."""
+def _route_class(request: Request) -> str:
+    """The class of a request that is not a sandbox's traffic, the ``route`` label of the
+    gateway's latency metrics."""
     path = request.url.path
-    if target is not None:
-        return "sandbox-traffic"
     if path in _LISTING:
         return "listing" if request.method == "GET" else "create"
     if _SANDBOX_ROUTE.match(path):
@@ -595,15 +596,11 @@ def _route_class(request: Request, target: ProxyTarget | None) -> str:
     return "health" if path == "/health" else "other"
 
 
+def _mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
+    """Whether a node refused because what was asked for was saved under another VMM or
+    accelerator than it runs (a node of that mode would take it)."""
+    return upstream.status_code == 409 and field_of(data, "error_code") == "mode_mismatch"
+
+
 def _replay(upstream: httpx.Response, data: bytes) -> Response:
     return Response(data, status_code=upstream.status_code, headers=response_headers(upstream))
-
-
-async def _relay_body(upstream: httpx.Response, node: NodeInfo) -> AsyncIterator[bytes]:
-    """The node's body as it arrives. Its status line is on its way already, so a node
-    that breaks off can only end the stream early."""
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        log.warning("node %s broke off a response: %s", node.node_id, exc)

@@ -66,6 +66,9 @@ class PlacementRequest(_Wire):
     template_id: str = Field(alias="templateID", min_length=1, max_length=400)
     vcpus: int | None = Field(default=None, ge=1)
     memory_mib: int | None = Field(default=None, alias="memoryMib", ge=1)
+    #: Nodes the gateway already tried for this create, which refused it because the
+    #: template was saved under another VMM or accelerator than theirs.
+    exclude_nodes: list[str] = Field(default_factory=list, alias="excludeNodes", max_length=1000)
 
 
 class Placement(_Wire):

@@ -220,7 +220,9 @@ class NodeRegistry:
         chosen_node: list[NodeInfo] = []
 
         def choose(records: list[NodeRecord], held: list[Reservation]) -> Reservation | None:
-            candidates = self._candidates(records, held)
+            candidates = [
+                c for c in self._candidates(records, held) if c.node_id not in demand.exclude_nodes
+            ]
             seen[:] = candidates
             chosen = self.strategy.choose(candidates, demand)
             if chosen is None:

@@ -199,7 +199,9 @@ def create_scheduler_app(
 
     @app.post("/placements", response_model=Placement, dependencies=authed)
     async def place(body: PlacementRequest) -> Placement:
-        demand = Demand(body.template_id, body.vcpus, body.memory_mib)
+        demand = Demand(
+            body.template_id, body.vcpus, body.memory_mib, frozenset(body.exclude_nodes)
+        )
         try:
             placement_id, node = await registry.place(demand)
         except NoCapacity as exc:

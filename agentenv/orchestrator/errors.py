@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     TAG_NOT_FOUND = "tag_not_found"
     SECRET_NOT_FOUND = "secret_not_found"
     VOLUME_NOT_FOUND = "volume_not_found"
+    MODE_MISMATCH = "mode_mismatch"
 
 
 class OrchestratorError(Exception):
@@ -58,6 +59,23 @@ class InvalidRequest(OrchestratorError):
 
 class Conflict(OrchestratorError):
     code = ErrorCode.CONFLICT
+
+
+class ModeMismatch(OrchestratorError):
+    """What a sandbox would be restored from (a template, snapshot or paused sandbox)
+    was saved under another VMM or accelerator than this node runs (see
+    :mod:`.modes`): nothing was changed, and a node of ``saved``'s mode can restore it.
+    Not a :class:`Conflict`, which callers take as "already in that state"."""
+
+    code = ErrorCode.MODE_MISMATCH
+
+    def __init__(self, what: str, saved: str, node: str) -> None:
+        super().__init__(
+            f"{what} was saved under {saved}; this node runs {node} "
+            f"(a node running {saved} can restore it)"
+        )
+        self.saved = saved
+        self.node = node
 
 
 class CapacityExhausted(OrchestratorError):

@@ -42,6 +42,7 @@ from agentenv.orchestrator.errors import (
 )
 from agentenv.orchestrator.layout import SandboxDir, write_atomically
 from agentenv.orchestrator.machines import Machines, disk_format, volume_slots
+from agentenv.orchestrator.modes import Mode
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.resources import FilePins, MemoryBudget, NetworkLeases, Slots
 from agentenv.orchestrator.sources import Source, Sources
@@ -112,8 +113,10 @@ class Lifecycle:
         *,
         boot_timeout: float,
         memory: MemoryBudget,
+        mode: Mode,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
+        self.mode = mode
         self.memory = memory
         self.store = store
         self.driver = driver
@@ -193,6 +196,9 @@ class Lifecycle:
         a resume: proxied traffic waits for it (:meth:`settling`), and a sandbox whose
         /init failed takes none (:meth:`check_envd`). Without it (template builds, which
         talk to envd directly next), or with volumes to mount, the create waits."""
+        # Sources check what they resolve; fork images and build machines come here
+        # directly, and a node restarted in another mode may still hold one.
+        self.sources.check_mode(source)
         with self.memory.hold(sandbox_id, source.snapshot.memory_mib, "create"):
             slot = self.slots.reserve()
             try:
@@ -450,6 +456,11 @@ class Lifecycle:
             raise Conflict(f"sandbox {sandbox_id} is not paused")
         phases = PhaseTimer()
         directory = SandboxDir(rec.workdir)
+        if rec.pause_mode != "filesystem":
+            # Before anything changes (its upload, its claim in the repository): a node
+            # restarted in another mode leaves it paused, for a node of its own mode.
+            saved = SnapshotFiles.from_json(directory.paused_manifest.read_text())
+            self.mode.require(f"paused sandbox {sandbox_id}", Mode.of_files(saved))
         await self.sync.stop_upload(sandbox_id)
         await self.resharing.stop(sandbox_id)
         # Resumed here before its commit: the commit will not come.

@@ -56,6 +56,7 @@ from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
 from agentenv.orchestrator.liveness import VmmLiveness
 from agentenv.orchestrator.machines import Machines
 from agentenv.orchestrator.metrics import GuestSample, MetricsHistory
+from agentenv.orchestrator.modes import Mode
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
@@ -109,12 +110,19 @@ class Orchestrator:
         network: NetworkManager | None = None,
         store: Store | None = None,
         http: httpx.AsyncClient | None = None,
+        *,
+        mode_reason: str = "",
     ) -> None:
         """``network``, ``store`` and ``http`` (to guests' envd) default to the real
-        ones; tests pass fakes."""
+        ones; tests pass fakes. ``mode_reason`` says why the node runs ``driver`` under
+        ``accel`` (``/health`` shows it)."""
         self.config = config
         self.driver = driver
         self.accel = accel
+        #: What this node restores sandboxes under; saved machines of another mode are
+        #: refused (:mod:`.modes`).
+        self.mode = Mode(driver.name, accel)
+        self.mode_reason = mode_reason
         self.store = store or Store(
             config.db_path, EnvdTokens.configured(config.envd_token_key, config.envd_token_key_path)
         )
@@ -166,7 +174,7 @@ class Orchestrator:
             self.http,
         )
         self._sources = Sources(
-            config.templates_dir, self.store, self.templates, self.catalog, self._pins
+            config.templates_dir, self.store, self.templates, self.catalog, self._pins, self.mode
         )
         self._resharing = Resharing(self._sources, self._supervisor)
         self._capture = Capture(
@@ -190,6 +198,7 @@ class Orchestrator:
             self._operations,
             self._supervisor,
             publishes_paused_state=driver.publishes_paused_state,
+            mode=self.mode,
             commit_wait=config.commit_wait,
         )
         self._lifecycle = Lifecycle(
@@ -208,6 +217,7 @@ class Orchestrator:
             self.volumes,
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
+            mode=self.mode,
         )
         self._liveness = VmmLiveness(
             self.store, self._machines, self._operations, self._lifecycle, self._free_space
@@ -378,6 +388,7 @@ class Orchestrator:
             node=self.catalog.node,
             vmm=self.driver.name,
             accel=self.accel,
+            mode_reason=self.mode_reason,
             memory_mode="shared" if self.own_memory_files else "private",
             sandboxes_by_state={state.value: n for state, n in sorted(counts.items())},
             allocated_vcpus=vcpus,

@@ -3,7 +3,8 @@ into a restorable machine snapshot on this node (built, local, or fetched from t
 repository into the node cache); and the source a recorded sandbox came from.
 
 Owns no state. Marks a local snapshot deleted when the repository says another node
-deleted it.
+deleted it. Refuses a source saved under another mode than the node's
+(:class:`~.errors.ModeMismatch`, see :mod:`.modes`), a repository one before fetching it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agentenv.orchestrator.errors import (
     TemplateNotFound,
 )
 from agentenv.orchestrator.layout import SnapshotDir
+from agentenv.orchestrator.modes import Mode
 from agentenv.orchestrator.resources import FilePins
 from agentenv.orchestrator.store import SandboxRecord, SnapshotRecord, Store
 from agentenv.orchestrator.tags import DEFAULT_TAG, parse_tagged
@@ -51,8 +53,10 @@ class Sources:
         templates: TemplateManager,
         catalog: Catalog,
         pins: FilePins,
+        mode: Mode,
     ) -> None:
         self.templates_dir = templates_dir
+        self.mode = mode
         self.store = store
         self.templates = templates
         self.catalog = catalog
@@ -62,7 +66,22 @@ class Sources:
         """A template id or name, or a snapshot id or name: all start sandboxes. The
         built-in templates are built on each node; everything else is the repository's
         (which is authoritative: a snapshot deleted on another node is gone here too),
-        from this node's own copy when it has one, else fetched into the node cache."""
+        from this node's own copy when it has one, else fetched into the node cache.
+        :class:`ModeMismatch` for one saved under another mode than this node's."""
+        source = await self._resolve(template_id)
+        self.check_mode(source)
+        return source
+
+    def check_mode(self, source: Source) -> None:
+        """:class:`ModeMismatch` unless ``source`` was saved under this node's mode."""
+        what = (
+            f"template {source.template_id}"
+            if source.snapshot_id is None
+            else f"snapshot {source.snapshot_id}"
+        )
+        self.mode.require(what, Mode.of_files(source.snapshot.files))
+
+    async def _resolve(self, template_id: str) -> Source:
         if template_id in BUILTIN_TEMPLATES:
             return await self._template(template_id)
         local = self.store.get_snapshot(template_id)
@@ -92,6 +111,8 @@ class Sources:
             local = self.store.get_snapshot(record.id)
         if local is not None and local.snapshot_id == record.id and _usable(local):
             return self.local(local)
+        # Before the fetch: what cannot be restored here is not worth the transfer.
+        self.mode.require(f"{record.type} {record.id}", Mode.of_manifest(record.manifest))
         snapshot = await self.catalog.fetch(
             record, lambda line: log.info("fetching %s: %s", record.id, line)
         )

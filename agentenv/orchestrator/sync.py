@@ -38,6 +38,7 @@ from agentenv.orchestrator.layout import (
     write_atomically,
 )
 from agentenv.orchestrator.machines import Machines
+from agentenv.orchestrator.modes import Mode
 from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.records import PausedEntry, PendingPause, SnapshotEntry
@@ -75,9 +76,11 @@ class RepositorySync:
         supervisor: Supervisor,
         *,
         publishes_paused_state: bool,
+        mode: Mode,
         commit_wait: float = 50.0,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
+        self.mode = mode
         self.store = store
         self.catalog = catalog
         self.sources = sources
@@ -474,12 +477,18 @@ class RepositorySync:
     async def adopt(self, sandbox_id: str) -> None:
         """Record here, paused, a sandbox paused on another node: fetch what it is made
         of and claim its generation. :class:`SandboxNotFound` if the repository has no
-        such paused sandbox, :class:`Conflict` if another node resumed it first."""
+        such paused sandbox, :class:`Conflict` if another node resumed it first,
+        :class:`ModeMismatch` if it was paused under another mode than this node's (then
+        it is left unclaimed, for a node of its mode)."""
         if self.store.get_sandbox(sandbox_id) is not None:
             return  # adopted by a concurrent call
         entry = await self.catalog.committed_pause(sandbox_id, self.commit_wait)
         if entry is None:
             raise SandboxNotFound(sandbox_id)
+        self.mode.require(
+            f"sandbox {sandbox_id} (paused on node {entry.node or 'unknown'})",
+            Mode.of_manifest(entry.manifest),
+        )
         self._adopted_token(entry)  # before the claim: a node that cannot serve it leaves it
         if not await self.catalog.claim(sandbox_id, entry.generation):
             holder = await self.catalog.holder(sandbox_id, entry.generation)

@@ -91,3 +91,5 @@ class NodeStatus:
     problem: str | None
     # VMM processes this node drives now.
     vmms: int = 0
+    # Why the node runs this VMM and accelerator (what ``auto`` found, or "set").
+    mode_reason: str = ""

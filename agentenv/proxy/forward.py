@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import http.cookiejar
 import logging
 import re
 import socket
@@ -141,6 +142,23 @@ def _forwarded_headers(
     return forwarded
 
 
+class KeepNoCookies(http.cookiejar.DefaultCookiePolicy):
+    """The proxy's HTTP clients store no cookie and send none of their own: ``Cookie``
+    and ``Set-Cookie`` travel between a caller and the sandbox as headers, untouched."""
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+    def domain_return_ok(self, domain: str, request: Any) -> bool:
+        return False
+
+    def path_return_ok(self, path: str, request: Any) -> bool:
+        return False
+
+
 class SandboxProxy:
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
@@ -172,6 +190,9 @@ class SandboxProxy:
             # No overall timeout: streams (process output, downloads) may run for long.
             client = httpx.AsyncClient(
                 trust_env=False,
+                # One client serves every caller of the sandbox: cookies one caller's
+                # answer set must reach that caller only, never the next one's request.
+                cookies=http.cookiejar.CookieJar(policy=KeepNoCookies()),
                 timeout=httpx.Timeout(connect=10.0, read=None, write=None, pool=None),
                 limits=httpx.Limits(max_connections=200, max_keepalive_connections=20),
             )

@@ -4,8 +4,9 @@ A VMM appends the guest's console to a file (QEMU through a chardev opened with
 ``append=on``, Firecracker through its stdout opened for appending). A task of the VM's
 handle cuts the file's oldest part once it is past its bound, so a guest flooding its
 serial port cannot fill the host's disk, and the file the server reads on a failed boot
-stays where it was. The writer must append (``O_APPEND``): a writer at a fixed offset
-would leave a hole of zeros behind every cut.
+stays where it was. QEMU's own output file is bounded alike (a guest can make QEMU log
+an error per page it hands its balloon). The writer must append (``O_APPEND``): a writer
+at a fixed offset would leave a hole of zeros behind every cut.
 """
 
 from __future__ import annotations
@@ -59,11 +60,14 @@ def bound_file(path: Path, limit: int) -> None:
         os.close(fd)
 
 
-async def bound_console(path: Path, limit: int) -> None:
-    """Run until cancelled: keep ``path`` within ``limit`` bytes (see :func:`bound_file`)."""
+async def bound_console(paths: Path | tuple[Path, ...], limit: int) -> None:
+    """Run until cancelled: keep each of ``paths`` within ``limit`` bytes (see
+    :func:`bound_file`)."""
+    for_each = (paths,) if isinstance(paths, Path) else paths
     while True:
         await asyncio.sleep(CONSOLE_CHECK_INTERVAL_S)
-        try:
-            bound_file(path, limit)
-        except OSError:
-            pass
+        for path in for_each:
+            try:
+                bound_file(path, limit)
+            except OSError:
+                pass

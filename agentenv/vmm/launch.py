@@ -123,7 +123,9 @@ class LaunchSpec:
     ``binds`` mounts made in a private mount namespace before the VMM starts.
     ``restricted_root`` (without ``credentials``) keeps root but clears the supplementary
     groups and sets ``no_new_privs``: for a program that drops its own privileges, like
-    Firecracker's jailer.
+    Firecracker's jailer. ``deny_hole_punching`` makes ``fallocate`` with
+    ``FALLOC_FL_PUNCH_HOLE`` fail (``EOPNOTSUPP``) in the VMM: for a QEMU that maps a RAM
+    file other VMMs map too (see ``launcher.c``).
     """
 
     argv: tuple[str, ...]
@@ -140,6 +142,7 @@ class LaunchSpec:
     oom_score_adj: int | None = None
     binds: tuple[Bind, ...] = ()
     restricted_root: bool = False
+    deny_hole_punching: bool = False
 
 
 LAUNCHER_NAME = "agentenv-launch"
@@ -213,6 +216,8 @@ def _launcher_options(spec: LaunchSpec) -> list[str]:
             options += ["--groups", ",".join(str(g) for g in creds.groups)]
     elif spec.restricted_root:
         options += ["--clear-groups", "--no-new-privs"]
+    if spec.deny_hole_punching:
+        options.append("--deny-punch-hole")
     return options
 
 

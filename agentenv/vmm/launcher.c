@@ -18,6 +18,8 @@
  *   --clear-groups          without --uid: stay root, but with no supplementary groups
  *   --no-new-privs          without --uid: set no_new_privs (a program that drops its own
  *                           privileges, like Firecracker's jailer, runs under these two)
+ *   --deny-punch-hole       a seccomp filter: fallocate(FALLOC_FL_PUNCH_HOLE) fails with
+ *                           EOPNOTSUPP (see deny_punch_hole)
  *   -- ARGV...              what to exec
  *
  * With --uid, the bounding, inheritable and ambient capability sets are emptied and
@@ -31,15 +33,28 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/audit.h>
 #include <linux/capability.h>
+#include <linux/falloc.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <stddef.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#if defined(__x86_64__)
+#define NATIVE_AUDIT_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define NATIVE_AUDIT_ARCH AUDIT_ARCH_AARCH64
+#else
+#error "agentenv-launch knows the seccomp architecture of x86_64 and aarch64 only"
+#endif
 
 #define MAX_ITEMS 64
 #define MAX_GROUPS 64
@@ -66,7 +81,7 @@ struct options {
     gid_t gid;
     gid_t groups[MAX_GROUPS];
     int n_groups;
-    int clear_groups, no_new_privs;
+    int clear_groups, no_new_privs, deny_punch_hole;
     char **argv;
 };
 
@@ -140,6 +155,8 @@ static void parse(struct options *o, int argc, char **argv) {
             o->clear_groups = 1;
         } else if (!strcmp(opt, "--no-new-privs")) {
             o->no_new_privs = 1;
+        } else if (!strcmp(opt, "--deny-punch-hole")) {
+            o->deny_punch_hole = 1;
         } else if (!strcmp(opt, "--groups") && left >= 1) {
             parse_groups(o, argv[++i]);
         } else {
@@ -217,6 +234,34 @@ static void drop_privileges(const struct options *o) {
         fail("set no_new_privs", NULL);
 }
 
+/*
+ * QEMU 7.2 gives a page the guest's balloon driver hands back to the host by punching it
+ * out of the file that backs guest RAM, even when it maps that file privately: the
+ * template or fork image other sandboxes map too. A guest could zero pages of its
+ * siblings' memory that way. Denying the punch leaves QEMU to log the failure and keep
+ * the page (8.2 fixed the discard for private mappings). The VMM's disks lose hole
+ * punching with it: blocks the guest discards stay allocated, and zeroes it writes are
+ * written. Only the native calling convention is matched: the threat is QEMU's own
+ * balloon code on behalf of a guest, not a compromised VMM (which holds the file open
+ * read-write in any case; QEMU 8.2's readonly=on,rom=off would close that).
+ */
+static void deny_punch_hole(void) {
+    struct sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, NATIVE_AUDIT_ARCH, 0, 5),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_fallocate, 0, 3),
+        // The mode (an int): the low word of the second argument, on little-endian hosts.
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[1])),
+        BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, FALLOC_FL_PUNCH_HOLE, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EOPNOTSUPP & SECCOMP_RET_DATA)),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog program = {sizeof filter / sizeof filter[0], filter};
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &program))
+        fail("install the seccomp filter", "--deny-punch-hole");
+}
+
 int main(int argc, char **argv) {
     static struct options o;
     parse(&o, argc, argv);
@@ -252,6 +297,9 @@ int main(int argc, char **argv) {
         if (o.no_new_privs && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
             fail("set no_new_privs", NULL);
     }
+    // Last: no_new_privs (or root) lets it be installed, and nothing above is filtered.
+    if (o.deny_punch_hole)
+        deny_punch_hole();
     execvp(o.argv[0], o.argv);
     int saved = errno;
     fprintf(stderr, "agentenv-launch: exec %s: %s\n", o.argv[0], strerror(saved));

@@ -8,7 +8,10 @@ share one template's RAM; such a machine's snapshot streams its RAM into the sta
 A machine booted with ``spec.report_free_pages`` has a balloon with free page reporting,
 which QEMU 7.2 serves by punching the reported pages out of the file, whatever the
 mapping: its snapshots (which record the balloon, as they record the ``-M`` options) are
-restored only into a shared mapping (see :mod:`agentenv.vmm.qemu_vm`).
+restored only into a shared mapping (see :mod:`agentenv.vmm.qemu_vm`). It does the same
+for a page the guest's balloon driver inflates over, so a QEMU that maps its RAM file
+privately (another sandbox's too) is started with hole punching denied by a seccomp
+filter (``agentenv-launch --deny-punch-hole``), confined or not.
 
 Migration streams go through file descriptors passed over the QMP socket (``getfd`` +
 ``fd:``) rather than ``exec:cat``: QEMU 7.2 SIGTERMs the ``exec:`` helper as soon as the
@@ -24,7 +27,8 @@ own cgroup and jail (see :mod:`agentenv.vmm.confine`), under QEMU's seccomp filt
 ``console.log`` opened for appending, which a task of the VM's handle keeps within a
 byte bound by cutting its oldest part (``FALLOC_FL_COLLAPSE_RANGE``), so a guest
 flooding its serial port cannot fill the host's disk, and the file the server reads on a
-failed boot stays where it was.
+failed boot stays where it was. QEMU's own output (``qemu.log``) is bounded the same way:
+a guest can fill it too, through errors QEMU reports on its behalf.
 
 This module starts, restores and re-adopts QEMU; the handle on a running one, and the
 QMP plumbing both use, are in :mod:`agentenv.vmm.qemu_vm`.
@@ -421,6 +425,10 @@ class QemuDriver(VMMDriver):
             stderr=workdir / PROCESS_LOG,
             append_output=True,
             netns=spec.net.netns if spec.net is not None else None,
+            # A RAM file mapped privately is another VMM's too (a template, a fork
+            # image): QEMU 7.2 would punch the pages the guest's balloon hands back out
+            # of it. Confined or not, that is another sandbox's memory.
+            deny_hole_punching=not spec.memory_shared,
         )
         jail: VmmJail | None = None
         # An incoming VMM (-S -incoming defer) runs no guest code until the restore's

@@ -224,7 +224,7 @@ class QemuVM(VirtualMachine):
         self._console_task: asyncio.Task[None] | None = None
         if console_limit is not None:
             self._console_task = asyncio.get_running_loop().create_task(
-                bound_console(workdir / CONSOLE_LOG, console_limit)
+                bound_console((workdir / CONSOLE_LOG, workdir / PROCESS_LOG), console_limit)
             )
 
     def __repr__(self) -> str:

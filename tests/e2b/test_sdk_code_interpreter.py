@@ -15,6 +15,7 @@ import base64
 import concurrent.futures
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from e2b import SandboxException, TimeoutException
@@ -97,7 +98,7 @@ def test_matplotlib_figure_is_a_png(sbx: Sandbox) -> None:
 
 
 def test_errors(sbx: Sandbox) -> None:
-    seen = []
+    seen: list[Any] = []
     execution = sbx.run_code("print('before')\n1 / 0", on_error=seen.append)
     assert execution.logs.stdout == ["before\n"]
     assert execution.error is not None
@@ -136,12 +137,12 @@ def test_contexts_python_and_bash(sbx: Sandbox) -> None:
     assert context.language == "python" and context.cwd == "/tmp"
     assert sbx.run_code("import os; os.getcwd()", context=context).text == "'/tmp'"
     # Its own state: the default context's x is not there.
-    assert sbx.run_code("x", context=context).error.name == "NameError"  # type: ignore[union-attr]
+    assert sbx.run_code("x", context=context).error.name == "NameError"
     sbx.run_code("y = 5", context=context)
     assert sbx.run_code("y", context=context).text == "5"
     assert context.id in [c.id for c in sbx.list_code_contexts()]
     sbx.restart_code_context(context)
-    assert sbx.run_code("y", context=context).error.name == "NameError"  # type: ignore[union-attr]
+    assert sbx.run_code("y", context=context).error.name == "NameError"
     sbx.remove_code_context(context.id)
     assert context.id not in [c.id for c in sbx.list_code_contexts()]
 

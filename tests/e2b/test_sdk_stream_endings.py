@@ -149,7 +149,7 @@ async def test_kill_ends_an_async_watch(e2b: E2B, doomed: Sandbox) -> None:
         error = await asyncio.wait_for(exits.get(), PROMPT_S)
         assert isinstance(error, SandboxNotRunningException)
     finally:
-        await handle.stop()
+        await handle.stop()  # type: ignore[no-untyped-call]
 
 
 def test_kill_ends_a_sync_watch(e2b: E2B, doomed: Sandbox) -> None:

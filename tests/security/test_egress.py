@@ -205,7 +205,7 @@ def _new_sandbox(
     body: dict[str, object] = {"timeout": 600, "allow_internet_access": internet}
     if network is not None:
         body["network"] = network
-    sandbox_id = create_sandbox_id(server, **body)
+    sandbox_id = create_sandbox_id(server, "base", **body)
     sandboxes.append(sandbox_id)
     return sandbox_id
 

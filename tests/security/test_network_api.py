@@ -228,7 +228,7 @@ def test_update_network_through_the_sdk(server: ServerProcess) -> None:
     try:
         update = {"allow_out": ["1.1.1.1"], "deny_out": ["0.0.0.0/0"], "dns_servers": ["1.1.1.1"]}
         try:
-            Sandbox.update_network(sandbox_id, update, **sdk_opts(server))  # type: ignore[arg-type]
+            Sandbox.update_network(sandbox_id, update, **sdk_opts(server))  # type: ignore[call-overload]
         except SandboxException as exc:
             # Until the host's egress filter can change a running sandbox's rules, the
             # server says so; the old rules stay in force and on record.

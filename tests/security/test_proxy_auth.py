@@ -254,22 +254,62 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8090), Echo).serve_forever()
 """
 
 
+def _serve_in_guest(server: ServerProcess, sandbox_id: str, script: str, port: int) -> None:
+    """Start the Python ``script`` (a server on ``port``) in the sandbox, in the
+    background, and wait until it listens."""
+    quoted = script.replace("'", "'\\''")
+    started = run_command(
+        server.url,
+        sandbox_id,
+        f"printf '%s' '{quoted}' > /tmp/app-{port}.py"
+        f" && (nohup python3 /tmp/app-{port}.py >/dev/null 2>&1 &)"
+        f" && for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && exit 0;"
+        " sleep 0.1; done; exit 1",
+    )
+    assert started.exit_code == 0, started.stderr
+
+
 def test_other_ports_get_the_path_as_sent(server: ServerProcess, secured: dict[str, Any]) -> None:
     """An application's own paths are not envd's business: ``//`` and ``%2F`` reach it as
     the client wrote them; a dot segment, which the proxy's HTTP client would resolve, is
     refused rather than silently changed."""
     sandbox_id = secured["sandboxID"]
-    script = ECHO_PATH_SERVER.replace("'", "'\\''")
-    started = run_command(
-        server.url,
-        sandbox_id,
-        f"printf '%s' '{script}' > /tmp/echo.py && (nohup python3 /tmp/echo.py >/dev/null 2>&1 &)"
-        " && for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/8090) 2>/dev/null && exit 0;"
-        " sleep 0.1; done; exit 1",
-    )
-    assert started.exit_code == 0, started.stderr
+    _serve_in_guest(server, sandbox_id, ECHO_PATH_SERVER, 8090)
     route = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8090"}
     for target in ("/a%2Fb//c?x=%2F..%2F", "/plain", "/caf%C3%A9"):
         echoed = raw_http(server.port, "GET", target, route)
         assert (echoed.status, echoed.body.decode()) == (200, target)
     assert raw_http(server.port, "GET", "/a/../b", route).status == 400
+
+
+COOKIE_SERVER = """
+import http.server
+class Cookies(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = (self.headers.get("Cookie") or "").encode()
+        self.send_response(200)
+        if self.path == "/login":
+            self.send_header("Set-Cookie", "session=alice-secret; Path=/")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("0.0.0.0", 8091), Cookies).serve_forever()
+"""
+
+
+def test_one_clients_cookies_never_reach_anothers_requests(
+    server: ServerProcess, secured: dict[str, Any]
+) -> None:
+    """A web app in the sandbox sets a session cookie for the client that logged in; the
+    proxy must relay it to that client and keep none of it: another client's requests to
+    the same app reach it with only the cookies that client sent."""
+    sandbox_id = secured["sandboxID"]
+    _serve_in_guest(server, sandbox_id, COOKIE_SERVER, 8091)
+    route = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8091"}
+    login = raw_http(server.port, "GET", "/login", route)
+    assert login.status == 200, login
+    assert "session=alice-secret" in login.headers.get("set-cookie", "")
+    other = raw_http(server.port, "GET", "/whoami", route)
+    assert (other.status, other.body) == (200, b"")
+    own = raw_http(server.port, "GET", "/whoami", {**route, "Cookie": "session=bob"})
+    assert (own.status, own.body) == (200, b"session=bob")

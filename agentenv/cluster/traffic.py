@@ -1,0 +1,191 @@
+"""The gateway's data path: one request sent on to a node as it came (raw path, query,
+headers but the connection's, body streamed), the node's answer relayed back as it
+arrives, and a WebSocket relayed to the node's proxy.
+
+Every proxied request pays for what is done here, so it is kept short (``bench/cluster.py``
+measures it): requests go straight to the connection pool (``httpx`` transports), without
+the client layer's cookie jar, redirects and auth (a shared cookie jar would also hand one
+sandbox's cookies to requests for another); the node's response head is passed on as raw
+header pairs (repeated ones such as ``Set-Cookie`` kept), with its ``Content-Length`` when
+it has one, so the client's answer is not re-chunked (one write fewer, and a body the node
+breaks off ends the client's connection instead of looking complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import websockets
+from starlette.datastructures import Headers
+from starlette.types import Message, Receive, Scope, Send
+from websockets.asyncio.client import connect as ws_connect
+
+from agentenv.proxy.relay import HOP_BY_HOP, Refusal, deny_websocket, pump_websocket
+
+log = logging.getLogger("agentenv.cluster.gateway")
+
+# No overall timeout: streams (process output, downloads) may run for long.
+NODE_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=None, pool=None)
+_TIMEOUTS = NODE_TIMEOUT.as_dict()
+# Hop-by-hop headers are the connection's; Host is kept, so a node routes
+# `{port}-{id}.{domain}` names as it would have without the gateway.
+NOT_FORWARDED = HOP_BY_HOP - {"host"}
+# What of a node's response head is not passed on. Its Content-Length is (see
+# relayed_headers).
+_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP - {"content-length"})
+
+
+class NodeUnavailable(Exception):
+    def __init__(self, node_id: str, reason: str, sandbox_id: str | None = None) -> None:
+        subject = f"sandbox {sandbox_id} is on node {node_id}" if sandbox_id else f"node {node_id}"
+        super().__init__(f"node unavailable: {subject}, which {reason}")
+        self.node_id = node_id
+        self.reason = reason
+        self.sandbox_id = sandbox_id
+
+
+def node_headers(headers: Headers) -> list[tuple[str, str]]:
+    """A request's headers as they go on to a node."""
+    return [(k, v) for k, v in headers.items() if k not in NOT_FORWARDED]
+
+
+async def send_to_node(
+    transport: httpx.AsyncBaseTransport,
+    method: str,
+    url: httpx.URL,
+    headers: list[tuple[str, str]],
+    content: Any,
+) -> httpx.Response:
+    """The request sent through ``transport``, its response head read (the body is
+    streamed: close the response)."""
+    request = httpx.Request(
+        method, url, headers=headers, content=content, extensions={"timeout": _TIMEOUTS}
+    )
+    response = await transport.handle_async_request(request)
+    response.request = request
+    return response
+
+
+def relayed_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The node's response headers a client is given, as raw pairs. Its Content-Length
+    stays unless it also sent Transfer-Encoding (then the length is not the body's)."""
+    pairs = upstream.headers.raw
+    chunked = any(k.lower() == b"transfer-encoding" for k, _ in pairs)
+    return [
+        (k, v)
+        for k, v in pairs
+        if k.lower() not in _NOT_RELAYED and not (chunked and k.lower() == b"content-length")
+    ]
+
+
+class RelayedAnswer:
+    """An ASGI answer: the node's response as it arrives, its body unbuffered (each chunk
+    sent on before the next is read, so a slow client slows the node instead of filling
+    memory). A client that goes away ends it, and the node's response is closed either
+    way."""
+
+    def __init__(self, upstream: httpx.Response, node_id: str) -> None:
+        self.upstream = upstream
+        self.node_id = node_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.upstream.status_code,
+                    "headers": relayed_headers(self.upstream),
+                }
+            )
+            # The body is pumped in a task of its own so that a client's disconnect (which
+            # only `receive` tells) ends a stream the node is in no hurry to finish.
+            pump = asyncio.ensure_future(self._pump(send))
+            left = asyncio.ensure_future(_client_left(receive))
+            await asyncio.wait((pump, left), return_when=asyncio.FIRST_COMPLETED)
+            for task in (pump, left):
+                task.cancel()
+            pumped, _ = await asyncio.gather(pump, left, return_exceptions=True)
+            if isinstance(pumped, Exception):
+                raise pumped  # uvicorn logs it and drops the connection mid-answer
+        finally:
+            await self.upstream.aclose()
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in _body(self.upstream, self.node_id):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _client_left(receive: Receive) -> None:
+    """Returns once the client is gone (or, with uvicorn, once the answer is complete)."""
+    message: Message = await receive()
+    while message["type"] != "http.disconnect":
+        message = await receive()
+
+
+async def _body(upstream: httpx.Response, node_id: str) -> AsyncIterator[bytes]:
+    """The node's body as it arrives. Its status line is on its way already, so a node
+    that breaks off can only end the stream early."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning("node %s broke off a response: %s", node_id, exc)
+
+
+async def relay_websocket(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    node_id: str,
+    node_url: httpx.URL,
+    node_tls: ssl.SSLContext,
+    sandbox_id: str,
+) -> None:
+    """The client's WebSocket (its connect message read) relayed to the node's proxy."""
+    headers = Headers(scope=scope)
+    # The client sends the URL's host as Host: the client's Host goes in the URL (the
+    # node routes host names by it) and the connection is pointed at the node.
+    host = headers.get("host") or node_url.netloc.decode()
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string", b"").decode("latin-1")
+    tls = node_url.scheme == "https"
+    scheme = "wss" if tls else "ws"
+    url = f"{scheme}://{host}{raw_path.decode('latin-1')}" + (f"?{query}" if query else "")
+    forwarded = [
+        (k, v)
+        for k, v in node_headers(headers)
+        if k != "host" and not k.startswith("sec-websocket-")
+    ]
+    try:
+        upstream = await ws_connect(
+            url,
+            host=node_url.host,
+            port=node_url.port or (443 if tls else 80),
+            # The node's certificate names the node (its URL's host), not the
+            # sandbox host name the client used.
+            ssl=node_tls if tls else None,
+            server_hostname=node_url.host if tls else None,
+            proxy=None,
+            additional_headers=forwarded,
+            subprotocols=scope.get("subprotocols") or None,
+            open_timeout=10,
+            max_size=None,
+            compression=None,
+        )
+    except websockets.exceptions.InvalidStatus as exc:
+        status = exc.response.status_code
+        message = exc.response.body.decode(errors="replace") if exc.response.body else ""
+        await deny_websocket(send, Refusal(status, message or f"node answered {status}"))
+        return
+    except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
+        reason = NodeUnavailable(node_id, f"refused a WebSocket ({exc})", sandbox_id)
+        await deny_websocket(send, Refusal(503, str(reason)))
+        return
+    async with upstream:
+        await pump_websocket(receive, send, upstream)
