@@ -469,6 +469,7 @@ async def test_snapshot_and_restore_with_new_drives_and_tap(
         _spec(other, guest_kernel),
         net=NetSpec("fctap1", "52:54:00:12:34:56", netns),
     )
+    ram_image = _sha256(snap.memory_file)
     paused = await driver.restore(new_spec, snap, workroot / "w2", resume=False)
     vms.append(paused)
     assert paused.state is VMRunState.PAUSED
@@ -484,7 +485,11 @@ async def test_snapshot_and_restore_with_new_drives_and_tap(
     assert (await paused.describe())["state"] == "Running"
 
     # The RAM image is mapped copy-on-write: loading twice from it works, and it is unchanged.
-    same_tap = replace(new_spec, net=spec.net)  # the snapshotted tap, free again
+    # Asked to map it shared, as the orchestrator's resume of a pause's own image asks, a
+    # restore maps it privately all the same.
+    same_tap = replace(  # the snapshotted tap, free again
+        new_spec, net=spec.net, memory_file=snap.memory_file, memory_shared=True
+    )
     running = await driver.restore(same_tap, snap, workroot / "w3", resume=True)
     vms.append(running)
     assert running.state is VMRunState.RUNNING
@@ -497,6 +502,7 @@ async def test_snapshot_and_restore_with_new_drives_and_tap(
     await paused.kill()
     await running.kill()
     assert read_cmdline(paused.pid) == [] and read_cmdline(running.pid) == []
+    assert _sha256(snap.memory_file) == ram_image
 
 
 @pytest.mark.vm

@@ -6,8 +6,10 @@ Things about Firecracker (v1.12) that shape this driver:
 - It runs only on KVM; there is no software emulation, so ``accel="tcg"`` is refused.
 - Guest RAM is anonymous memory on boot, so ``MachineSpec.memory_file`` is not used: a
   snapshot writes a full RAM image (``memory.fc``) and a restore maps that image
-  copy-on-write (``MAP_PRIVATE``), i.e. ``memory_shared=False`` semantics.
-  ``memory_shared=True`` cannot be honoured and is refused.
+  copy-on-write (``MAP_PRIVATE``), i.e. ``memory_shared=False`` semantics. A boot with
+  ``memory_shared=True`` cannot be honoured and is refused; a restore asked for it (the
+  orchestrator's resume of a paused sandbox's own RAM image) maps the image privately all
+  the same: the guest's writes never reach that file, and the next save writes a new one.
 - Drives must be raw files; a qcow2 disk needs a raw view (e.g. a reflink copy) first.
 - A snapshot records each drive's ``path_on_host`` and the tap name exactly as they were
   given, and the recorded drive paths must exist when the snapshot is loaded. So the driver
@@ -133,9 +135,10 @@ def _instance_id(workdir: Path) -> str:
     return name or "agentenv-vm"
 
 
-def _validate_spec(spec: MachineSpec) -> None:
+def _validate_spec(spec: MachineSpec, *, restoring: bool = False) -> None:
     """Refuse (with :class:`VMMStartError`) specs Firecracker cannot run, before any
-    process is started."""
+    process is started. ``memory_shared`` only matters to a boot: a restore's RAM is the
+    snapshot's image, always mapped copy-on-write."""
     if spec.accel not in FirecrackerDriver.accelerators:
         raise VMMStartError(
             f"Firecracker runs only on KVM, not accel={spec.accel!r}: it has no software "
@@ -143,7 +146,7 @@ def _validate_spec(spec: MachineSpec) -> None:
         )
     if not Path("/dev/kvm").exists():
         raise VMMStartError("Firecracker needs /dev/kvm, which this host does not have")
-    if spec.memory_shared:
+    if spec.memory_shared and not restoring:
         raise VMMStartError(
             "Firecracker cannot back guest RAM with a shared file (memory_shared=True): it "
             "keeps RAM anonymous on boot and maps a snapshot's RAM image copy-on-write"
@@ -558,7 +561,7 @@ class FirecrackerDriver(VMMDriver):
         (mapped copy-on-write, never written to); drives come from ``spec.drives`` and the
         tap from ``spec.net``; the guest MAC stays the snapshotted one."""
         snapshot.check_compatible(self.name, spec)
-        _validate_spec(spec)
+        _validate_spec(spec, restoring=True)
         state_file, memory_file = _validate_snapshot(snapshot)
         vm = await self._start(spec, workdir, (state_file, memory_file))
         if vm._jail is not None:

@@ -6,8 +6,12 @@
 It starts the real server (which builds the ``base`` template: a cold boot of the guest
 and a snapshot) and drives it with the unmodified ``e2b`` SDK: create from ``base``,
 ``commands.run``, ``files`` write and read, kill; then checks the node reports the mode
-asked for and that no VMM is left. Prints one ``SMOKE-RESULT {json}`` line with the step
-timings; exits 0 only if every step passed.
+asked for and that no VMM is left. Then, against the same server, the rest of the core
+(:mod:`tests.kvm.core`: pause and connect, snapshot, fork, PTY, the server's kill -9
+and re-adoption, a template build: those the mode supports, see ``CORE_STEPS``;
+``--core`` picks others, ``--core ''`` none), and again that no VMM is left. Prints
+one ``SMOKE-RESULT {json}`` line with the step timings and the failed core steps; exits
+0 only if every step passed.
 """
 
 from __future__ import annotations
@@ -22,11 +26,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from e2b import Sandbox
+
 from tests.helpers import ServerProcess, cleanup_host
+from tests.kvm.core import STEPS, Core, run_core
 
 MODES: dict[str, dict[str, str]] = {
     "firecracker": {"AENV_VMM": "firecracker", "AENV_ACCEL": "kvm"},
     "qemu-kvm": {"AENV_VMM": "qemu", "AENV_ACCEL": "kvm"},
+}
+# Firecracker's drives are raw files, which it cannot seal while the machine runs on
+# (``FirecrackerDriver.seals_drives``), and the orchestrator captures a running sandbox
+# (snapshot, fork, and so a template build's final snapshot) only by sealing its disk: it
+# refuses those with "snapshots and forks need a VMM that can seal a running disk".
+# QEMU's fork of 4 is left out too: nested, it passed once in three runs (a child's
+# restore lost its QMP connection: "migrate-set-capabilities failed:
+# ExecInterruptedError('Disconnected')"; twice the whole test host went away during or
+# after it). ``--core fork`` runs it.
+CORE_STEPS: dict[str, tuple[str, ...]] = {
+    "firecracker": ("pause-connect", "pty", "kill9"),
+    "qemu-kvm": ("pause-connect", "snapshot", "pty", "kill9", "template"),
 }
 # The host's Python runs many times slower than natively (TCG), and so does every nested
 # guest: the base template's cold boot took about 3 minutes to envd (120 s is the
@@ -46,7 +65,7 @@ def start_server(server: ServerProcess, limit: float) -> None:
     server.wait_ready(limit, poll_every=POLL_SECONDS, retry_every=POLL_SECONDS, request_timeout=30)
 
 
-def smoke(mode: str, data_dir: Path) -> dict[str, Any]:
+def smoke(mode: str, data_dir: Path, core_steps: list[str]) -> dict[str, Any]:
     from agentenv.guest import default_cache_dir, load_guest_image
 
     steps: dict[str, float] = {}
@@ -65,7 +84,20 @@ def smoke(mode: str, data_dir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"mode": mode, "steps": steps}
     try:
         step("server start and base template", lambda: start_server(server, TEMPLATE_WAIT))
-        check(server, mode, step, result)
+        opts = check(server, mode, step, result)
+        if core_steps:
+            result["failed"] = run_core(
+                Core(
+                    srv=server,
+                    mode=mode,
+                    opts=opts,
+                    restart=lambda: start_server(server, TEMPLATE_WAIT),
+                    vmm_processes=vmm_processes,
+                ),
+                core_steps,
+                step,
+            )
+            no_sandbox_left(server, "the core steps")
     finally:
         with contextlib.suppress(Exception):
             with server.client() as api:
@@ -81,11 +113,8 @@ def check(
     mode: str,
     step: Callable[[str, Callable[[], Any]], Any],
     result: dict[str, Any],
-) -> None:
-    """The SDK steps against the running ``srv``."""
-    # Imported here, so that --help does not wait for the SDK's import under TCG.
-    from e2b import Sandbox
-
+) -> dict[str, Any]:
+    """The SDK steps against the running ``srv``; returns the SDK's options for it."""
     with srv.client() as api:
         health = api.get("/health").json()
     result["health"] = {k: health.get(k) for k in ("status", "vmm", "accel", "detail")}
@@ -113,10 +142,16 @@ def check(
     if owner != "user":
         raise AssertionError(f"written file owned by {owner!r}")
     step("kill", sbx.kill)
+    no_sandbox_left(srv, "kill")
+    return opts
+
+
+def no_sandbox_left(srv: ServerProcess, after: str) -> None:
+    """No sandbox listed, and no VMM process left, ``after`` the sandboxes were killed."""
     with srv.client() as api:
         left = api.get("/sandboxes").json()
     if left:
-        raise AssertionError(f"sandboxes left after kill: {left}")
+        raise AssertionError(f"sandboxes left after {after}: {left}")
     deadline = time.monotonic() + 60
     # Nothing else in the host runs VMMs and the template's exits once its snapshot is
     # taken, so after the kill none may be left. Found by name: a jailed Firecracker's
@@ -124,7 +159,7 @@ def check(
     while (pids := vmm_processes()) and time.monotonic() < deadline:
         time.sleep(1)
     if pids:
-        raise AssertionError(f"VMM processes left after kill: {pids}")
+        raise AssertionError(f"VMM processes left after {after}: {pids}")
 
 
 def vmm_processes() -> list[int]:
@@ -141,19 +176,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("mode", choices=sorted(MODES))
     parser.add_argument("--data-dir", type=Path, default=Path("/data/smoke"))
+    parser.add_argument(
+        "--core",
+        default=None,
+        help=f"comma-separated core steps to run after the smoke, of {','.join(STEPS)} "
+        "(default: those the mode supports)",
+    )
     args = parser.parse_args()
+    chosen = ",".join(CORE_STEPS[args.mode]) if args.core is None else args.core
+    core_steps = [name for name in chosen.split(",") if name]
+    if unknown := sorted(set(core_steps) - set(STEPS)):
+        parser.error(f"unknown core steps: {', '.join(unknown)}")
     if not os.path.exists("/dev/kvm"):
         print("smoke: no /dev/kvm here", file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
-        result = smoke(args.mode, args.data_dir)
-        result["ok"] = True
+        result = smoke(args.mode, args.data_dir, core_steps)
+        result["ok"] = not result.get("failed")
     except Exception as exc:  # reported, with the server log, as the result
         result = {"mode": args.mode, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    if not result["ok"]:
         log = args.data_dir / args.mode / "node-server.log"
         if log.is_file():
-            tail = log.read_text(errors="replace").splitlines()[-60:]
+            tail = log.read_text(errors="replace").splitlines()[-80:]
             print("\n".join(tail), file=sys.stderr)
     result["total_seconds"] = round(time.monotonic() - started, 1)
     print("SMOKE-RESULT " + json.dumps(result), flush=True)

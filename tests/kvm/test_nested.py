@@ -1,6 +1,9 @@
 """Both KVM paths end to end, inside the nested KVM test host: the host is started with
 ``scripts/kvm-host`` (as a user would), and the smoke (:mod:`tests.kvm.smoke`: the real
-server, the unmodified ``e2b`` SDK) runs in it once per mode.
+server, the unmodified ``e2b`` SDK) runs in it once per mode, followed against the same
+server by the rest of the core the mode supports (:mod:`tests.kvm.core`: pause and
+connect, PTY, kill -9 of the server and re-adoption; with QEMU also snapshot and a
+template build).
 
 Skipped, with the reason, only where this machine's QEMU does not emulate SVM with nested
 paging; anything else that keeps the host from booting or KVM from working fails.
@@ -18,15 +21,16 @@ from typing import Any
 
 import pytest
 
-from tests.kvm.machine import emulated_svm
+from tests.kvm.machine import HostPaths, console_tail, emulated_svm
 from tests.kvm.smoke import MODES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/kvm-host"
 # Generous: the first start builds the host image (minutes); the smoke starts a server
-# and builds the base template under Python and guests both running at TCG speed.
+# and builds the base template under Python and guests both running at TCG speed, then
+# runs the core steps (4-7 minutes per mode in all, here).
 START_TIMEOUT = 1800
-SMOKE_TIMEOUT = 900
+SMOKE_TIMEOUT = 1800
 
 pytestmark = [pytest.mark.vm, pytest.mark.kvm]
 
@@ -81,7 +85,12 @@ def test_smoke(host: Path, mode: str) -> None:
         timeout=SMOKE_TIMEOUT + 120,
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("SMOKE-RESULT ")]
-    assert lines, f"no smoke result (exit {result.returncode}):\n{result.stderr[-4000:]}"
+    # The host's console says why, when the host itself went away mid-run.
+    console = console_tail(HostPaths(host))
+    assert lines, (
+        f"no smoke result (exit {result.returncode}):\n{result.stderr[-4000:]}\n"
+        f"host console:\n{console}"
+    )
     outcome: dict[str, Any] = json.loads(lines[-1].removeprefix("SMOKE-RESULT "))
     assert outcome["ok"], f"{outcome}\n{result.stderr[-4000:]}"
     assert result.returncode == 0
