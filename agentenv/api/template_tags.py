@@ -133,16 +133,19 @@ def _decode_cursor(cursor: str, sort: TagSort) -> tuple[int, str]:
     return key
 
 
+async def not_snapshots(orchestrator: Orchestrator, names: list[str]) -> None:
+    """:class:`Conflict` if any of ``names`` (a template's name, ``name:tag``) is a
+    snapshot's: a name that starts sandboxes must mean one thing."""
+    for taken in names:
+        try:
+            await orchestrator.get_snapshot(taken)
+        except SnapshotNotFound:
+            continue
+        raise Conflict(f"the name {taken!r} is a snapshot's; a template needs another")
+
+
 def template_tag_routes(orchestrator: Orchestrator, authed: Sequence[Depends]) -> APIRouter:
     router = APIRouter(tags=["tags"])
-
-    async def not_snapshots(names: list[str]) -> None:
-        for taken in names:
-            try:
-                await orchestrator.get_snapshot(taken)
-            except SnapshotNotFound:
-                continue
-            raise Conflict(f"the name {taken!r} is a snapshot's; a template needs another")
 
     async def tags_of(template_id: str) -> tuple[str, list[TagView]]:
         """The template's name and its tags; :class:`TemplateAliasNotFound` (404) if
@@ -166,7 +169,7 @@ def template_tag_routes(orchestrator: Orchestrator, authed: Sequence[Depends]) -
         if name in BUILTIN_TEMPLATES:
             raise Conflict(f"{name!r} is built in and takes no tags")
         # "name:tag" must mean one thing: a snapshot's name, or this tag.
-        await not_snapshots([f"{name}:{tag}" for tag in normalize_tags(body.tags)])
+        await not_snapshots(orchestrator, [f"{name}:{tag}" for tag in normalize_tags(body.tags)])
         build_id, tags = await orchestrator.tags.assign(body.target, body.tags)
         return AssignedTemplateTags(tags=tags, buildID=build_id)
 

@@ -30,11 +30,11 @@ from agentenv.api.models import (
     TemplateRequestResponse,
 )
 from agentenv.api.params import BuildRecordId, FilesHash, TemplateRef
+from agentenv.api.template_tags import not_snapshots
 from agentenv.limits import MAX_PAGE_SIZE, MAX_TOKEN_LENGTH
 from agentenv.orchestrator.build_plan import PlanError, parse_build
 from agentenv.orchestrator.builds import BuildManager
 from agentenv.orchestrator.errors import (
-    Conflict,
     InvalidRequest,
     SnapshotNotFound,
     TemplateAliasNotFound,
@@ -58,14 +58,6 @@ def template_routes(
         message = f"{template_id}:{files_hash}".encode()
         return hmac.new(api_key.encode(), message, hashlib.sha256).hexdigest()
 
-    async def not_snapshots(names: list[str]) -> None:
-        for taken in names:
-            try:
-                await orchestrator.get_snapshot(taken)
-            except SnapshotNotFound:
-                continue
-            raise Conflict(f"the name {taken!r} is a snapshot's; a template needs another")
-
     @router.post(
         "/v3/templates",
         status_code=202,
@@ -82,7 +74,9 @@ def template_routes(
         tags = normalize_tags(([tag] if tag else []) + (body.tags or [])) or [DEFAULT_TAG]
         # As in E2B, a template's name builds it again (the new build takes the name, or
         # its tags, when it is ready); a snapshot's name is not a template's to take.
-        await not_snapshots([name] + [f"{name}:{t}" for t in tags if t != DEFAULT_TAG])
+        await not_snapshots(
+            orchestrator, [name] + [f"{name}:{t}" for t in tags if t != DEFAULT_TAG]
+        )
         build = builds.register(name, body.cpu_count, body.memory_mb, tags)
         return TemplateRequestResponse(
             templateID=build.template_id,
