@@ -603,6 +603,32 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+async def _restored_only_as_recorded(
+    lab: Lab,
+    name: str,
+    spec: MachineSpec,
+    snapshot: SnapshotFiles,
+    wrong: SnapshotFiles,
+    token: str,
+    last: int,
+) -> QemuVM:
+    """``wrong`` (``snapshot`` with another machine recorded) fails to restore;
+    ``snapshot`` restores, its guest counting on from ``last`` in boot ``token``. Returns
+    the restored VM re-attached, so the caller can check what the new handle read from
+    its record; the caller kills it."""
+    with pytest.raises(VMMStartError, match="restoring"):
+        await lab.driver.restore(spec, wrong, lab.root / f"{name}-wrong")
+    back = await lab.driver.restore(spec, snapshot, lab.root / f"{name}-back")
+    try:
+        lines = await _wait_lines(back.console_log, 1)
+        assert lines[0][0] == token and lines[0][1] == last + 1
+        await back.close()
+        return await lab.driver.attach(lab.root / f"{name}-back")
+    except BaseException:
+        await back.kill()
+        raise
+
+
 @dataclass
 class Lab:
     """The module's VMs and files (mutable: tests hand results to later tests)."""
@@ -875,17 +901,10 @@ async def test_snapshots_restore_into_the_machine_they_were_made_on(lab: Lab) ->
     token, last, _ = _ready_lines(vm.console_log)[-1]
 
     back_spec = replace(spec, memory_file=lab.root / "legacy-back.ram")
-    # A machine without the PIT cannot take that stream...
+    # A machine without the PIT cannot take that stream; the machine it recorded can.
     wrong = replace(legacy, meta={**legacy.meta, "machine": MACHINE})
-    with pytest.raises(VMMStartError, match="restoring"):
-        await lab.driver.restore(back_spec, wrong, lab.root / "legacy-wrong")
-    # ...the machine it recorded can, and a re-attached handle knows which one it runs.
-    back = await lab.driver.restore(back_spec, legacy, lab.root / "legacy-back")
+    back = await _restored_only_as_recorded(lab, "legacy", back_spec, legacy, wrong, token, last)
     try:
-        lines = await _wait_lines(back.console_log, 1)
-        assert lines[0][0] == token and lines[0][1] == last + 1
-        await back.close()
-        back = await lab.driver.attach(lab.root / "legacy-back")
         assert back.machine == LEGACY_MACHINE
     finally:
         await back.kill()
@@ -920,18 +939,12 @@ async def test_snapshots_restore_into_the_balloon_they_were_made_with(lab: Lab) 
     _run("cp", "--sparse=always", str(spec.memory_file), str(copy))
     back_spec = replace(spec, memory_file=copy, report_free_pages=False)
     # The guest negotiated free page reporting: a balloon without it cannot take the
-    # stream...
+    # stream; the balloon it recorded can (whatever the spec asks of a boot).
     wrong = replace(snapshot, meta={**snapshot.meta, "balloon": LEGACY_BALLOON})
-    with pytest.raises(VMMStartError, match="restoring"):
-        await lab.driver.restore(back_spec, wrong, lab.root / "reporting-wrong")
-    # ...the balloon it recorded can (whatever the spec asks of a boot), and a
-    # re-attached handle knows which one it runs.
-    back = await lab.driver.restore(back_spec, snapshot, lab.root / "reporting-back")
+    back = await _restored_only_as_recorded(
+        lab, "reporting", back_spec, snapshot, wrong, token, last
+    )
     try:
-        lines = await _wait_lines(back.console_log, 1)
-        assert lines[0][0] == token and lines[0][1] == last + 1
-        await back.close()
-        back = await lab.driver.attach(lab.root / "reporting-back")
         assert back.balloon == BALLOON
     finally:
         await back.kill()
