@@ -19,6 +19,7 @@ from e2b import (
     E2B,
     AsyncSecret,
     InvalidArgumentException,
+    Sandbox,
     Secret,
     SecretException,
     SecretNotFoundException,
@@ -181,11 +182,11 @@ print(urllib.request.urlopen(request, timeout=20, context=context).read().decode
 """
 
 
-@pytest.mark.vm
-def test_rule_header_reaches_the_server_but_never_the_guest(
-    e2b: E2B, e2b_server: ServerProcess
-) -> None:
-    name = "rule-" + secrets.token_hex(4)
+def _sandbox_with_a_secret_rule(e2b: E2B, prefix: str) -> tuple[str, Sandbox]:
+    """A new secret (its name starts with ``prefix``) and a sandbox whose only way out is
+    the host at the guest's gateway, with a rule adding ``Authorization: Bearer`` and
+    that secret to what it sends there."""
+    name = prefix + secrets.token_hex(4)
     e2b.Secret.create(name, VALUE)
     header = {"Authorization": f"Bearer {Secret.fill(name)}"}
     sbx = e2b.Sandbox.create(
@@ -196,6 +197,14 @@ def test_rule_header_reaches_the_server_but_never_the_guest(
             "rules": {GUEST_GATEWAY: [{"transform": {"headers": header}}]},
         },
     )
+    return name, sbx
+
+
+@pytest.mark.vm
+def test_rule_header_reaches_the_server_but_never_the_guest(
+    e2b: E2B, e2b_server: ServerProcess
+) -> None:
+    name, sbx = _sandbox_with_a_secret_rule(e2b, "rule-")
     url = f"http://{GUEST_GATEWAY}/probe"
     try:
         sbx.files.write("/tmp/fetch.py", GUEST_REQUEST)
@@ -250,17 +259,7 @@ def test_rule_headers_are_not_added_to_https(
     """HTTPS to a rule's host is relayed untouched: no TLS interception, so the rule's
     headers are not added (the README says so), the guest's own request arrives as it
     sent it, and the secret is in nothing that leaves."""
-    name = "tls-" + secrets.token_hex(4)
-    e2b.Secret.create(name, VALUE)
-    header = {"Authorization": f"Bearer {Secret.fill(name)}"}
-    sbx = e2b.Sandbox.create(
-        timeout=180,
-        allow_internet_access=False,
-        network={
-            "allow_out": [GUEST_GATEWAY],
-            "rules": {GUEST_GATEWAY: [{"transform": {"headers": header}}]},
-        },
-    )
+    name, sbx = _sandbox_with_a_secret_rule(e2b, "tls-")
     ca = make_local_ca(tmp_path / "ca", "rule.test")
     tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     tls.load_cert_chain(ca.server_cert, ca.server_key)
