@@ -60,13 +60,12 @@ def bound_file(path: Path, limit: int) -> None:
         os.close(fd)
 
 
-async def bound_console(paths: Path | tuple[Path, ...], limit: int) -> None:
+async def bound_console(paths: tuple[Path, ...], limit: int) -> None:
     """Run until cancelled: keep each of ``paths`` within ``limit`` bytes (see
     :func:`bound_file`)."""
-    for_each = (paths,) if isinstance(paths, Path) else paths
     while True:
         await asyncio.sleep(CONSOLE_CHECK_INTERVAL_S)
-        for path in for_each:
+        for path in paths:
             try:
                 bound_file(path, limit)
             except OSError:

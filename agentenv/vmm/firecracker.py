@@ -273,7 +273,7 @@ class FirecrackerVM(VirtualMachine):
         self._console_task: asyncio.Task[None] | None = None
         if console_limit is not None:
             self._console_task = asyncio.get_running_loop().create_task(
-                bound_console(workdir / CONSOLE_FILE, console_limit)
+                bound_console((workdir / CONSOLE_FILE,), console_limit)
             )
 
     @property
