@@ -19,8 +19,10 @@ Measures, through the API of a live server (``--runs`` times unless noted):
                            one answered (``--fork-runs`` times, N = ``--fork-count``)
   memory                   PSS of the N idle children's VMMs (~3 s after the fork) per
                            child, against one sandbox created from the template
-and, as the baseline, the same snapshot restored with bare ``qemu-system-x86_64``
-processes driven by raw QMP (no agentenv code on the path):
+and, as the baseline, the same snapshot restored with bare VMM processes of the node's
+mode (``GET /health``): under QEMU (TCG or KVM, the node's accelerator, which the
+template's snapshot records) bare ``qemu-system-x86_64`` processes driven by raw QMP (no
+agentenv code on the path):
   bare restore → running   process start → ``cont`` returned (RAM: the template's file
                            mapped private, as create does); baseline of create
   bare kill                SIGKILL → reaped
@@ -32,13 +34,22 @@ processes driven by raw QMP (no agentenv code on the path):
                            ``query-migrate`` says completed, then SIGKILL → reaped
   bare fork → running      N restores at once, each with its own qcow2 overlay, private
                            RAM mapping and network namespace, until all returned ``cont``
+and under Firecracker bare ``firecracker`` processes loading the template's snapshot
+through their API, the same five figures (``bench/bare_firecracker.py``). A step the
+node's VMM cannot do (the API answers 501, or names the VMM as unable) is a "not
+supported" row, not a failure.
 The table shows each metric's median against its baseline and against the issue's
 targets (resume → running ≤ 35 ms, pause ≤ 50 ms, snapshot after 1 GiB ≤ 100 ms,
 fork of 16 → all answering ≤ 400 ms); a miss is reported, never asserted.
 
 Usage (as root):
   .venv/bin/python bench/lifecycle.py [--runs 20] [--big-runs 3] [--fork-runs 3]
-      [--fork-count 16] [--json bench/results/lifecycle.json]
+      [--fork-count 16] [--json bench/results/lifecycle.json] [--server-wait 600]
+The server runs the mode its environment picks (``AENV_VMM``, ``AENV_ACCEL``; QEMU TCG
+on this repository's machine). In the nested KVM test host, e.g.:
+  scripts/kvm-host run --env AENV_VMM=firecracker --env AENV_TEMPLATE_BOOT_TIMEOUT=900 \\
+      -- .venv/bin/python bench/lifecycle.py --runs 3 --big-runs 0 --fork-runs 1 \\
+      --fork-count 2 --server-wait 1800 --json bench/results/lifecycle-firecracker.json
 It starts its own server in a temporary directory under --data-dir (made reflink-capable
 with scripts/data-fs, as the test suite's is) unless --url/--key are given; the bare
 baselines then need --server-home (the server's data directory) to find the template.
@@ -78,7 +89,8 @@ from agentenv.vmm.qemu_vm import (
     qmp_socket_path,
     reports_free_pages,
 )
-from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
+from bench.bare_firecracker import bench_bare_firecracker
+from tests.helpers import ServerProcess, cleanup_host, netns_names, run_command, vmm_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,6 +102,11 @@ TARGETS_MS: dict[str, float] = {
     "fork_to_all_answering": 400,
 }
 TARGET_FORK_COUNT = 16
+# The metrics each step of run_all measures (a step the VMM cannot do has none of them).
+STEP_METRICS: dict[str, tuple[str, ...]] = {
+    "snapshots": ("snapshot_after_0_bytes", "write_1gib_in_guest", "snapshot_after_1gib"),
+    "fork": ("fork_api", "fork_to_all_answering"),
+}
 BIG_WRITE_MIB = 1024
 # Effectively unthrottled migration, as agentenv sets it (the default cap crawls).
 _MIGRATE_MAX_BANDWIDTH = 100 * 1024**3
@@ -119,11 +136,26 @@ def api_client(url: str, key: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=900, trust_env=False)
 
 
+class NotSupported(RuntimeError):
+    """The node's VMM cannot do what was asked, as the API said."""
+
+
+# How the API says a VMM cannot do something: 501, or (until every such refusal is one)
+# a 500 naming what the VMM lacks, as "snapshots and forks need a VMM that can seal a
+# running disk; firecracker cannot".
+_UNSUPPORTED_PHRASE = "need a VMM that can"
+
+
 def expect(response: httpx.Response, status: int) -> httpx.Response:
     """``response`` if it has ``status``; anything else (an error, or 200 for a connect
-    that did not resume) aborts the bench with the server's answer."""
+    that did not resume) aborts the bench with the server's answer, as
+    :class:`NotSupported` when it says the VMM cannot do it."""
     if response.status_code != status:
         request = response.request
+        if response.status_code == 501 or (
+            response.status_code >= 500 and _UNSUPPORTED_PHRASE in response.text
+        ):
+            raise NotSupported(f"{response.status_code} {response.text}")
         raise RuntimeError(
             f"{request.method} {request.url.path}: expected {status}, "
             f"got {response.status_code} {response.text}"
@@ -248,8 +280,26 @@ def bench_snapshots(url: str, key: str, runs: int, big_runs: int) -> dict[str, l
     return results
 
 
-def _children_pss_kib(children: list[str]) -> int:
-    return sum(_pss_kib(pid) for child in children for pid in vmm_pids(f"/sandboxes/{child}/"))
+def sandbox_vmm_pids(home: Path | None, sandbox_id: str) -> list[int]:
+    """The VMM process of ``sandbox_id``: the pid its driver recorded in the sandbox's
+    ``vm.json`` (a jailed Firecracker's command line names no path of the server's), else
+    the VMM whose command line names the sandbox's directory."""
+    if home is not None:
+        pids = []
+        for record in (home / "sandboxes" / sandbox_id).glob("**/vm.json"):
+            try:
+                pid = int(json.loads(record.read_text())["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if Path(f"/proc/{pid}").exists():
+                pids.append(pid)
+        if pids:
+            return pids
+    return vmm_pids(f"/sandboxes/{sandbox_id}/")
+
+
+def _children_pss_kib(home: Path | None, children: list[str]) -> int:
+    return sum(_pss_kib(pid) for child in children for pid in sandbox_vmm_pids(home, child))
 
 
 def _answer(url: str, child: dict[str, Any]) -> tuple[str, float]:
@@ -261,7 +311,7 @@ def _answer(url: str, child: dict[str, Any]) -> tuple[str, float]:
 
 
 def bench_fork(
-    url: str, key: str, runs: int, count: int, settle: float = 3.0
+    url: str, key: str, home: Path | None, runs: int, count: int, settle: float = 3.0
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], list[str]]:
     """Fork one running sandbox into ``count`` children, ``runs`` times. Returns the
     latencies, the children's memory (PSS per idle child, MiB) and the errors of
@@ -299,7 +349,7 @@ def bench_fork(
                         results["fork_to_all_answering"].append(t2 - t0)
                     if children:
                         time.sleep(settle)
-                        total = _children_pss_kib([ch["sandboxID"] for ch in children]) / 1024
+                        total = _children_pss_kib(home, [ch["sandboxID"] for ch in children]) / 1024
                         memory["fork_children_pss_mib"].append(total)
                         memory["fork_child_pss_mib"].append(total / len(children))
                 finally:
@@ -674,13 +724,13 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def idle_cost(url: str, key: str, seconds: float = 5.0) -> dict[str, float]:
+def idle_cost(url: str, key: str, home: Path | None, seconds: float = 5.0) -> dict[str, float]:
     """Host memory (PSS) and CPU of one idle sandbox's VMM."""
     with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120, trust_env=False) as c:
         sandbox_id = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
         try:
             run_command(url, sandbox_id, "true")
-            (pid,) = vmm_pids(f"/sandboxes/{sandbox_id}/")
+            (pid,) = sandbox_vmm_pids(home, sandbox_id)
             ticks0, t0 = _cpu_ticks(pid), time.monotonic()
             time.sleep(seconds)
             ticks1, t1 = _cpu_ticks(pid), time.monotonic()
@@ -726,8 +776,11 @@ def print_table(
     baseline: dict[str, str],
     targets: dict[str, float] | None = None,
     *,
+    unsupported: dict[str, str] | None = None,
     width: int = 28,
 ) -> None:
+    """One row per metric measured; ``unsupported`` metrics (of the step named) get a
+    "not supported" row instead."""
     target_head = f"{'target':>8}{'met':>5}" if targets is not None else ""
     header = (
         f"{'metric':<{width}}{'n':>4}{'p50 ms':>10}{'p90 ms':>10}{'min':>9}{'max':>9}"
@@ -750,6 +803,9 @@ def print_table(
             f"{name:<{width}}{s['n']:>4}{s['p50_ms']:>10.1f}{s['p90_ms']:>10.1f}"
             f"{s['min_ms']:>9.1f}{s['max_ms']:>9.1f}{target}  {ratio}"
         )
+    for name, step in (unsupported or {}).items():
+        if name not in summary:
+            print(f"{name:<{width}}   -  not supported by the node's VMM ({step} step)")
 
 
 def reflink_capable(directory: Path) -> bool:
@@ -784,6 +840,28 @@ def prepare_data_dir(directory: Path) -> bool:
     return reflinks
 
 
+def node_mode(url: str) -> dict[str, str]:
+    """The node's VMM and accelerator, from ``GET /health``, and the baseline for them."""
+    with httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
+        health = c.get("/health").json()
+    vmm, accel = str(health.get("vmm")), str(health.get("accel"))
+    baseline = "bare Firecracker" if vmm == "firecracker" else f"bare QEMU ({accel})"
+    return {"vmm": vmm, "accel": accel, "baseline": baseline}
+
+
+def checked_snapshot(snapshot_dir: Path, mode: dict[str, str]) -> Path:
+    """``snapshot_dir`` once its manifest says it was saved in the node's ``mode`` (the
+    bare VMM restores it with the VMM and accelerator it records)."""
+    files = json.loads((snapshot_dir / "snapshot.json").read_text())["files"]
+    saved = (files.get("driver"), files.get("accel"))
+    if saved != (mode["vmm"], mode["accel"]):
+        raise RuntimeError(
+            f"template {snapshot_dir} was saved under {saved[0]}/{saved[1]}; "
+            f"the node runs {mode['vmm']}/{mode['accel']}"
+        )
+    return snapshot_dir
+
+
 def run_all(
     args: argparse.Namespace, url: str, key: str, home: Path | None, scratch: Path | None
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
@@ -792,14 +870,25 @@ def run_all(
     QEMUs' files go to ``scratch``."""
     raw: dict[str, list[float]] = {}
     memory: dict[str, list[float]] = {}
-    info: dict[str, Any] = {"failures": {}, "fork_errors": [], "idle": {}}
+    info: dict[str, Any] = {
+        "mode": node_mode(url),
+        "failures": {},
+        "not_supported": {},
+        "fork_errors": [],
+        "idle": {},
+    }
 
     def step(name: str, work: Callable[[], Any]) -> Any:
-        """``work()``; a failure is reported and recorded, and the other parts go on."""
+        """``work()``; a failure is reported and recorded, and the other parts go on; a
+        step the VMM cannot do is recorded as not supported."""
         print(f"... {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             out = work()
+        except NotSupported as exc:
+            print(f"    {name} not supported: {exc}", file=sys.stderr, flush=True)
+            info["not_supported"][name] = str(exc)
+            return None
         except Exception as exc:
             print(f"    {name} FAILED: {exc!r}", file=sys.stderr, flush=True)
             info["failures"][name] = repr(exc)
@@ -810,19 +899,25 @@ def run_all(
     raw |= step("create/kill", lambda: bench_api(url, key, args.runs)) or {}
     raw |= step("pause/resume", lambda: bench_pause_resume(url, key, args.runs)) or {}
     raw |= step("snapshots", lambda: bench_snapshots(url, key, args.runs, args.big_runs)) or {}
-    forked = step("fork", lambda: bench_fork(url, key, args.fork_runs, args.fork_count))
+    forked = step("fork", lambda: bench_fork(url, key, home, args.fork_runs, args.fork_count))
     if forked is not None:
         raw |= forked[0]
         memory |= forked[1]
         info["fork_errors"] = forked[2]
-    info["idle"] = step("idle sandbox", lambda: idle_cost(url, key)) or {}
+    info["idle"] = step("idle sandbox", lambda: idle_cost(url, key, home)) or {}
     if home is not None:
         template = home / "templates" / "base"
         snapshot_dirs = sorted(p for p in template.iterdir() if (p / "snapshot.json").exists())
+        snapshot_dir = snapshot_dirs[-1]
+        bare_bench = bench_bare_firecracker if info["mode"]["vmm"] == "firecracker" else bench_bare
         bare = step(
-            "bare QEMU",
-            lambda: bench_bare(
-                snapshot_dirs[-1], args.runs, args.fork_runs, args.fork_count, workdir=scratch
+            info["mode"]["baseline"],
+            lambda: bare_bench(
+                checked_snapshot(snapshot_dir, info["mode"]),
+                args.runs,
+                args.fork_runs,
+                args.fork_count,
+                workdir=scratch,
             ),
         )
         if bare is not None:
@@ -855,6 +950,12 @@ def main() -> None:
     parser.add_argument(
         "--server-home", type=Path, help="its data directory (with --url; for the baselines)"
     )
+    parser.add_argument(
+        "--server-wait",
+        type=float,
+        default=600.0,
+        help="seconds our server may take to build its base template (nested: far longer)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/lifecycle.py must run as root")
@@ -872,9 +973,13 @@ def main() -> None:
         home = Path(tempfile.mkdtemp(prefix="aenv-bench-", dir=args.data_dir))
         server = ServerProcess(home=home / "node")
         try:
-            with live_server(server):
-                raw, info = run_all(args, server.url, server.api_key, server.home, home)
+            server.spawn()
+            # Polled every few seconds: nested, each poll takes CPU from the template boot.
+            server.wait_ready(args.server_wait, poll_every=3.0, request_timeout=30.0)
+            raw, info = run_all(args, server.url, server.api_key, server.home, home)
         finally:
+            server.stop()
+            cleanup_host(server.home)
             problems = log_problems(server.log_path)
             log_copy = args.json.with_suffix(".server.log")
             log_copy.parent.mkdir(parents=True, exist_ok=True)
@@ -894,8 +999,18 @@ def main() -> None:
     targets = dict(TARGETS_MS)
     if args.fork_count != TARGET_FORK_COUNT:
         del targets["fork_to_all_answering"]  # the target is for 16 children
-    print(f"\nfork count {args.fork_count}; data directory reflinks: {reflinks}")
-    print_table(summary, baseline, targets)
+    mode = info["mode"]
+    print(
+        f"\nnode {mode['vmm']}/{mode['accel']}, baseline {mode['baseline']}; "
+        f"fork count {args.fork_count}; data directory reflinks: {reflinks}"
+    )
+    unsupported = {
+        metric: step
+        for step, metrics in STEP_METRICS.items()
+        if step in info["not_supported"]
+        for metric in metrics
+    }
+    print_table(summary, baseline, targets, unsupported=unsupported)
     met = {
         name: {
             "target_ms": target,
@@ -929,11 +1044,16 @@ def main() -> None:
         )
     if memory.get("bare_pause_state_bytes"):
         print(f"bare pause state file: {_median(memory['bare_pause_state_bytes']) / 1024:.0f} KiB")
+    if memory.get("bare_pause_memory_bytes"):
+        size = _median(memory["bare_pause_memory_bytes"]) / 2**20
+        print(f"bare pause RAM image: {size:.0f} MiB")
     if info["fork_errors"]:
         print(f"\nfork: {len(info['fork_errors'])} children failed: {info['fork_errors'][:3]}")
     left = {k: v for k, v in info["leftovers"].items() if v}
     if left:
         print(f"\nleft over after the bench: {left}")
+    if info["not_supported"]:
+        print(f"\nnot supported by {mode['vmm']}: {info['not_supported']}")
     if info["failures"]:
         print(f"\nFAILED parts (their rows are missing): {info['failures']}")
     if problems:
@@ -947,12 +1067,14 @@ def main() -> None:
                 "big_runs": args.big_runs,
                 "fork_runs": args.fork_runs,
                 "fork_count": args.fork_count,
+                "mode": mode,
                 "reflinks": reflinks,
                 "summary": summary,
                 "targets": met,
                 "idle": idle,
                 "memory": memory,
                 "failures": info["failures"],
+                "not_supported": info["not_supported"],
                 "fork_errors": info["fork_errors"],
                 "leftovers": info["leftovers"],
                 "server_log_problems": problems,
