@@ -188,7 +188,7 @@ async def bare_fc_restore(
 def _cleanup(workdir: Path) -> None:
     """Everything a bare run left in ``workdir`` (disk, RAM copy, links, socket, log)."""
     for path in list(workdir.rglob("*")):
-        if path.is_symlink() or path.is_file():
+        if path.is_symlink() or not path.is_dir():
             path.unlink(missing_ok=True)
 
 
