@@ -46,10 +46,12 @@ Usage (as root):
   .venv/bin/python bench/lifecycle.py [--runs 20] [--big-runs 3] [--fork-runs 3]
       [--fork-count 16] [--json bench/results/lifecycle.json] [--server-wait 600]
 The server runs the mode its environment picks (``AENV_VMM``, ``AENV_ACCEL``; QEMU TCG
-on this repository's machine). In the nested KVM test host, e.g.:
-  scripts/kvm-host run --env AENV_VMM=firecracker --env AENV_TEMPLATE_BOOT_TIMEOUT=900 \\
-      -- .venv/bin/python bench/lifecycle.py --runs 3 --big-runs 0 --fork-runs 1 \\
-      --fork-count 2 --server-wait 1800 --json bench/results/lifecycle-firecracker.json
+on this repository's machine). In the nested KVM test host, with small counts (the
+host runs at TCG speed) and the JSON printed, since the host's files stay inside:
+  scripts/kvm-host run --env AENV_VMM=firecracker --env AENV_ACCEL=kvm \\
+      --env AENV_TEMPLATE_BOOT_TIMEOUT=900 -- sh -c '.venv/bin/python bench/lifecycle.py \\
+      --runs 3 --big-runs 0 --fork-runs 1 --fork-count 2 --server-wait 1800 \\
+      --json bench/results/fc.json; cat bench/results/fc.json'
 It starts its own server in a temporary directory under --data-dir (made reflink-capable
 with scripts/data-fs, as the test suite's is) unless --url/--key are given; the bare
 baselines then need --server-home (the server's data directory) to find the template.
