@@ -38,6 +38,7 @@ from agentenv.network.addresses import TAP_NAME
 from agentenv.storage.volumes import make_empty_slot
 from agentenv.vmm.base import process_memory
 from agentenv.vmm.firecracker_binary import find_firecracker
+from bench.bare_qemu import run_tool
 
 API_SOCKET = "fc.sock"
 LOG_FILE = "fc.log"
@@ -96,15 +97,8 @@ def _log_tail(vm: BareFirecracker) -> str:
         return "(no log)"
 
 
-async def _run_tool(*argv: str) -> None:
-    proc = await asyncio.create_subprocess_exec(*argv, stderr=subprocess.PIPE)
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[0]} failed: {err.decode(errors='replace')}")
-
-
 async def _clone(source: Path, dest: Path) -> None:
-    await _run_tool("cp", "--reflink=auto", "--sparse=always", str(source), str(dest))
+    await run_tool("cp", "--reflink=auto", "--sparse=always", str(source), str(dest))
 
 
 def _link_drives(manifest: dict[str, Any], workdir: Path, disk: Path) -> None:
