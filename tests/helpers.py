@@ -113,7 +113,9 @@ class ServerProcess:
         does not answer yet."""
         assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + limit
-        with httpx.Client(timeout=request_timeout, verify=self.verify) as client:
+        with httpx.Client(
+            timeout=request_timeout, verify=self.verify, headers={"X-API-Key": self.api_key}
+        ) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited early:\n{self.log_tail()}")

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from agentenv import __version__
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
 from agentenv.cluster.gateway import Gateway
@@ -259,7 +260,10 @@ class FakeNodes:
             adoptable = node == "b" and path.split("/")[-2].startswith("ip")
             return answer(201, {"node": node}) if adoptable else answer(404, {"code": 404})
         if path == "/health":
-            health = {"status": "ok", "version": "0.1.0", "vmm": "qemu", "accel": "tcg"}
+            health = {"status": "ok", "version": "0.1.0"}
+            if request.headers.get("x-api-key") != KEY:
+                return answer(200, health)  # what a node tells a caller without the key
+            health |= {"vmm": "qemu", "accel": "tcg"}
             return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
@@ -515,13 +519,20 @@ async def test_gateway_health_is_a_node_health_for_the_cluster(
     client, _, reg = gateway
     await reg.heartbeat(report("a", sandboxes=["i1", "i2"]))
     await reg.heartbeat(report("b", sandboxes=["i3"]))
-    health = HEALTH.validate_python((await client.get("/health")).json())  # what aenv reads
+    auth = {"X-API-Key": KEY}
+    answer = await client.get("/health", headers=auth)
+    health = HEALTH.validate_python(answer.json())  # what aenv reads
     assert health.status == "ok" and health.sandboxes == 3 and health.vmm == "qemu"
+    # Without the key only that it is up; with a wrong one, refused.
+    assert (await client.get("/health")).json() == {"status": "ok", "version": __version__}
+    assert (await client.get("/health", headers={"X-API-Key": "nope"})).status_code == 401
     reg.clock.now += 60  # type: ignore[attr-defined]
     await reg.heartbeat(report("b"))
     await reg.newly_down()
-    degraded = (await client.get("/health")).json()
+    degraded = (await client.get("/health", headers=auth)).json()
     assert degraded["status"] == "degraded" and degraded["detail"] == "nodes down: a"
+    anonymous = (await client.get("/health")).json()
+    assert anonymous == {"status": "degraded", "version": __version__}
 
 
 async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(

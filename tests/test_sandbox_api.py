@@ -40,8 +40,14 @@ def wait_gone(c: httpx.Client, home: Path, sandbox_id: str, limit: float = 60.0)
 
 
 # -- auth and bad input ---------------------------------------------------------------------
-def test_health_needs_no_key(server: ServerProcess) -> None:
-    response = httpx.get(f"{server.url}/health", trust_env=False)
+def test_health_without_a_key_says_only_that_the_node_is_up(server: ServerProcess) -> None:
+    anonymous = httpx.get(f"{server.url}/health", trust_env=False)
+    assert anonymous.status_code == 200
+    assert set(anonymous.json()) == {"status", "version"}
+    wrong = httpx.get(f"{server.url}/health", headers={"X-API-Key": "e2b_wrong"}, trust_env=False)
+    assert wrong.status_code == 401
+    with server.client() as c:
+        response = c.get("/health")
     assert response.status_code == 200
     health = response.json()
     assert health["templates"]["base"] == "ready"
@@ -49,7 +55,7 @@ def test_health_needs_no_key(server: ServerProcess) -> None:
     assert health["mode"] == f"{health['vmm']}/{health['accel']}"
     reason = health["modeReason"]
     assert reason.startswith("vmm=") and "; accel=" in reason, reason
-    # Nothing a caller without the key should learn: no data directory, no key.
+    # Not even with the key: no data directory, no key.
     assert server.home.as_posix() not in reason
     assert server.api_key not in response.text
 

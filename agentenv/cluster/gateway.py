@@ -50,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agentenv import __version__
 from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
 from agentenv.cluster.answers import field_of, fork_children, read_bounded
 from agentenv.cluster.listing import (
@@ -76,7 +77,7 @@ from agentenv.cluster.traffic import (
     send_to_node,
 )
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
-from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches
+from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches, presented_key
 from agentenv.proxy.forward import ProxyTarget, target_of
 from agentenv.proxy.relay import (
     Refusal,
@@ -269,7 +270,7 @@ class Gateway:
                 else await self._relay(request, found)
             )
         if path == "/health":
-            return await self._health()
+            return await self._health(request.headers)
         if path == "/nodes" or path.startswith("/nodes/"):
             return await self._nodes(request)
         if path in _LISTING and request.method == "GET":
@@ -530,24 +531,34 @@ class Gateway:
                 log.info("GET /nodes/%s answered from its heartbeat: %s", node_id, exc)
         return JSONResponse(e2b_node_detail(node).model_dump(mode="json", by_alias=True))
 
-    async def _health(self) -> Response:
+    async def _health(self, headers: Headers) -> Response:
         """A node's ``/health`` (what ``aenv`` reads: version, VMM, templates), from the
         first up node, with the cluster's sandbox count; degraded, naming them, while
-        nodes are down. 503 when no node is up or the scheduler is unreachable."""
+        nodes are down. 503 when no node is up or the scheduler is unreachable. Without
+        an API key only ``status`` and ``version``, as a node answers; a wrong key is a
+        401."""
+        anonymous = presented_key(headers) is None
+        if not anonymous and not key_matches(headers, self.api_key):
+            return _error(401, "missing or invalid API key")
         nodes = await self.scheduler.nodes()
         up = [n for n in nodes if n.state is NodeState.UP]
         if not up:
             return _error(503, f"no node is up ({len(nodes)} known)")
+        down = [n.node_id for n in nodes if n.state is not NodeState.UP]
+        if anonymous:
+            status = "degraded" if down else "ok"
+            return JSONResponse({"status": status, "version": __version__})
         try:
-            answer = await self.http.get(up[0].report.url.rstrip("/") + "/health")
+            answer = await self.http.get(
+                up[0].report.url.rstrip("/") + "/health", headers={"X-API-Key": self.api_key}
+            )
             health = answer.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise NodeUnavailable(up[0].node_id, f"did not answer /health ({exc})") from exc
-        if not isinstance(health, dict):
-            raise NodeUnavailable(up[0].node_id, "answered /health with no object")
+        if not isinstance(health, dict) or "vmm" not in health:
+            raise NodeUnavailable(up[0].node_id, f"answered /health with {answer.status_code}")
         health["sandboxes"] = sum(len(n.report.sandboxes) for n in up)
         health["node"] = None
-        down = [n.node_id for n in nodes if n.state is not NodeState.UP]
         if down:
             health["status"] = "degraded"
             health["detail"] = f"nodes down: {', '.join(down)}"
