@@ -233,6 +233,8 @@ class FakeNodes:
         # Nodes that run another mode than template "saved-elsewhere" and sandbox
         # "ipsaved-elsewhere" were saved under: they refuse both as a node does.
         self.other_mode: set[str] = set()
+        # (node, sandbox): the node does not hold the sandbox, and its proxy says so.
+        self.gone: set[tuple[str, str]] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
@@ -272,6 +274,9 @@ class FakeNodes:
             return httpx.Response(
                 200, headers=[*cookies, ("content-length", "2")], stream=_Body(b"ok")
             )
+        sandbox = request.headers.get("e2b-sandbox-id", "")
+        if (node, sandbox) in self.gone:
+            return answer(502, {"code": 502, "message": f"The sandbox {sandbox} was not found"})
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
         if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
             return answer(200, b"from " + node.encode())
@@ -550,6 +555,31 @@ async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
     assert (await client.get("/files", headers=traffic)).status_code == 503
     await reg.bind("i1", "a")
     assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
+
+
+async def test_a_stale_route_goes_on_to_the_sandboxs_new_node(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    """Another gateway resumed the sandbox on another node within this one's route
+    cache: the old node's proxy answers 502, and the request goes to the new owner."""
+    client, nodes, reg = gateway
+    traffic = {"E2b-Sandbox-Id": "i1"}
+    await reg.bind("i1", "a")
+    assert (await client.get("/files", headers=traffic)).text == "from a"
+    await reg.bind("i1", "b")
+    nodes.gone.add(("a", "i1"))
+    assert (await client.get("/files", headers=traffic)).text == "from b"
+    # A body cannot be sent twice: the stale answer stands, but the route is dropped.
+    await reg.bind("i1", "a")
+    nodes.gone = {("b", "i1")}
+    stale = await client.post("/files", headers=traffic, content=b"x")
+    assert stale.status_code == 502
+    assert (await client.post("/files", headers=traffic, content=b"x")).text == "from a"
+    # The owner's own 502 is its answer: nothing is sent twice.
+    nodes.gone = {("a", "i1")}
+    sent = len(nodes.requests)
+    assert (await client.get("/files", headers=traffic)).status_code == 502
+    assert nodes.requests[sent:] == [("a", "GET /files")]
 
 
 async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(

@@ -125,7 +125,8 @@ class Gateway:
         # Sandbox traffic (every envd call) would otherwise ask the scheduler each time.
         # Only up owners are kept, for `route_cache_s`; what this gateway itself changes
         # (kill, connect elsewhere) drops its entry, another gateway's change is seen
-        # within that time, and a node that stops answering is a 503 either way.
+        # within that time or at once when the old node says it no longer holds the
+        # sandbox (see _traffic), and a node that stops answering is a 503 either way.
         self.route_cache_s = route_cache_s
         self._routes: dict[str, tuple[float, NodeInfo]] = {}
         self.registry = CollectorRegistry()
@@ -215,18 +216,19 @@ class Gateway:
             raise NodeUnavailable(binding.node_id, "stopped heartbeating", sandbox_id)
         return binding.node
 
-    async def _traffic_owner(self, sandbox_id: str) -> NodeInfo | None:
-        """:meth:`_owner`, from the route cache when it is fresh."""
+    async def _traffic_owner(self, sandbox_id: str) -> tuple[NodeInfo | None, bool]:
+        """:meth:`_owner`, from the route cache when it is fresh; and whether it came
+        from the cache."""
         now = time.monotonic()
         cached = self._routes.get(sandbox_id)
         if cached is not None and cached[0] > now:
-            return cached[1]
+            return cached[1], True
         node = await self._owner(sandbox_id)
         if len(self._routes) > 100_000:
             self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
         if node is not None and self.route_cache_s > 0:
             self._routes[sandbox_id] = (now + self.route_cache_s, node)
-        return node
+        return node, False
 
     async def _up_nodes(self) -> list[NodeInfo]:
         return [n for n in await self.scheduler.nodes() if n.state is NodeState.UP]
@@ -244,7 +246,7 @@ class Gateway:
     ) -> ASGIApp:
         """A sandbox's traffic, relayed to its node's proxy."""
         scope["aenv.route"] = "sandbox-traffic"
-        node = await self._traffic_owner(target.sandbox_id)
+        node, cached = await self._traffic_owner(target.sandbox_id)
         if node is None:
             # What a node's proxy answers for an unknown sandbox (E2B's edge too).
             return _error(502, f"The sandbox {target.sandbox_id} was not found")
@@ -253,6 +255,18 @@ class Gateway:
             content = Request(scope, receive).stream()
         try:
             upstream = await self._send_raw(scope, headers, node, content)
+            if cached and upstream.status_code == 502:
+                # What a node's proxy answers for a sandbox it does not hold: the cached
+                # route may be stale (another gateway resumed the sandbox elsewhere).
+                # Dropped either way; a request without a body goes again to the owner
+                # the scheduler names now, when that is another node (the owner's own
+                # 502, say from the app, is its answer).
+                self._routes.pop(target.sandbox_id, None)
+                fresh, _ = await self._traffic_owner(target.sandbox_id)
+                if content is None and fresh is not None and fresh.node_id != node.node_id:
+                    await upstream.aclose()
+                    node = fresh
+                    upstream = await self._send_raw(scope, headers, node, None)
         except NodeUnavailable as exc:
             self._routes.pop(target.sandbox_id, None)
             raise NodeUnavailable(exc.node_id, exc.reason, target.sandbox_id) from exc
@@ -574,7 +588,7 @@ class Gateway:
             await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
             return
         try:
-            node = await self._traffic_owner(target.sandbox_id)
+            node, _ = await self._traffic_owner(target.sandbox_id)
         except (NodeUnavailable, SchedulerUnavailable) as exc:
             await deny_websocket(send, Refusal(503, str(exc)))
             return
