@@ -33,7 +33,7 @@ import re
 import socket
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -56,7 +56,7 @@ from agentenv.network.egress_rules import (
     policy_chains,
     policy_update_script,
 )
-from agentenv.network.namespaces import call_in_namespace
+from agentenv.network.namespaces import call_in_namespace, enter_new_namespace
 from agentenv.network.policy import EgressPolicy
 
 __all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
@@ -73,10 +73,6 @@ _IFNAMSIZ = 15  # longest interface name the kernel accepts
 _PREFIX_PATTERN = re.compile(r"[a-gi-z][a-gi-z0-9]{0,7}")
 _NFT_TIMEOUT = 10.0
 _TABLE_SLOT = -1  # stands for "no slot" where resources are listed with their slot
-
-# netns.create bind-mounts /run/netns onto itself the first time; two threads doing that at
-# once would stack two mounts, so creations within this process take turns.
-_namespace_creation_lock = threading.Lock()
 
 
 class NetworkError(Exception):
@@ -145,6 +141,10 @@ class NetworkManager:
         # Slots with a masquerade chain in the host table; None until read from the kernel.
         self._internet_slots: set[int] | None = None
         self._host_table_lock = asyncio.Lock()
+        # Slots waiting for their host chain, and the task adding them (see
+        # _add_internet_access).
+        self._uplinks_asked: dict[int, asyncio.Future[None]] = {}
+        self._uplink_adder: asyncio.Future[None] | None = None
         self._warned_no_default_route = False
         # Relays the connections of sandboxes whose policy has host-name rules.
         self.egress_filter = EgressFilter()
@@ -302,19 +302,17 @@ class NetworkManager:
     def _build_namespace(self, net: SandboxNetwork, policy: EgressPolicy) -> BlockedRanges:
         """Create and configure the namespace and veth. Blocking; runs in its own thread.
 
-        The namespace side is configured from a thread that has entered the namespace
-        (setns is per thread), which saves forking a helper process for each netlink
-        socket, the tap ioctl and the nft run.
+        The namespace is made by, and configured from, a thread that moves into it (a
+        namespace is per thread), which saves forking a helper process to make it and
+        for each netlink socket, the tap ioctl and the nft run.
         """
-        with _namespace_creation_lock:
-            netns.create(net.netns)
         outcome: list[BaseException] = []
         built: list[BlockedRanges] = []
 
         def configure() -> None:
             try:
-                with IPRoute() as host:  # opened before setns, so it stays in our namespace
-                    netns.setns(net.netns, flags=0)
+                with IPRoute() as host:  # opened before the thread moves, so it stays here
+                    enter_new_namespace(net.netns)
                     with IPRoute() as inside:
                         built.append(self._configure(host, inside, net, policy))
             except BaseException as exc:
@@ -377,7 +375,10 @@ class NetworkManager:
     def _configure_links(
         self, host: IPRoute, inside: IPRoute, net: SandboxNetwork
     ) -> list[ipaddress.IPv4Network]:
-        """Make the veth and tap; returns the host's networks as they were before."""
+        """Make the veth and tap; returns the host's networks as they were before. Runs in
+        the thread that is inside the namespace: interfaces there are looked up by
+        ``if_nametoindex`` (an ioctl in the thread's namespace), as a netlink lookup
+        decodes the whole link in Python, a few times the cost of setting it."""
         host_networks = self._claim_host_addresses(host, net)
         host.link(
             "add",
@@ -389,7 +390,7 @@ class NetworkManager:
         host.addr("add", index=host_index, address=net.host_ip, prefixlen=30)
         host.link("set", index=host_index, state="up")
 
-        inside.link("set", index=_index(inside, "lo"), state="up")
+        inside.link("set", index=socket.if_nametoindex("lo"), state="up")
         inside.link(
             "add",
             ifname=net.tap,
@@ -397,13 +398,13 @@ class NetworkManager:
             mode="tap",
             ifr={"no_pi": True, "one_queue": False, "vnet_hdr": False, "multi_queue": False},
         )
-        tap_index = _index(inside, net.tap)
+        tap_index = socket.if_nametoindex(net.tap)
         # A fixed MAC: a restored guest still has the template's ARP entry for its
-        # gateway, and frames to any other MAC would be dropped by the tap.
-        inside.link("set", index=tap_index, address=GATEWAY_MAC)
+        # gateway, and frames to any other MAC would be dropped by the tap. The kernel
+        # sets the address before it brings the link up.
         inside.addr("add", index=tap_index, address=GUEST_GATEWAY, prefixlen=GUEST_PREFIX)
-        inside.link("set", index=tap_index, state="up")
-        veth_index = _index(inside, NAMESPACE_VETH)
+        inside.link("set", index=tap_index, address=GATEWAY_MAC, state="up")
+        veth_index = socket.if_nametoindex(NAMESPACE_VETH)
         inside.addr("add", index=veth_index, address=net.guest_address, prefixlen=30)
         inside.link("set", index=veth_index, state="up")
         inside.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
@@ -466,18 +467,51 @@ class NetworkManager:
     # -- host-side internet access ------------------------------------------------------------
 
     async def _add_internet_access(self, slot: int, net: SandboxNetwork) -> None:
+        """Open the host to `slot`'s traffic. Slots asking while an nft run is under way
+        wait for the next, which adds all of them in one transaction: a fork's children
+        ask at once, and one nft process each, taking turns, made the last one wait for
+        all the others'."""
+        done = asyncio.get_running_loop().create_future()
+        self._uplinks_asked[slot] = done
+        if self._uplink_adder is None or self._uplink_adder.done():
+            self._uplink_adder = asyncio.ensure_future(self._add_asked_uplinks())
+        try:
+            await done
+        finally:
+            # Cancelled before a run took it: no run will (a run that took it has
+            # recorded the slot, so the rollback removes what it added).
+            if self._uplinks_asked.get(slot) is done:
+                del self._uplinks_asked[slot]
+        log.debug("slot %d (%s) may reach the internet", slot, net.netns)
+
+    async def _add_asked_uplinks(self) -> None:
         async with self._host_table_lock:
-            slots = await self._known_internet_slots()
-            outbound = await asyncio.to_thread(_default_interface)
-            if outbound is None:
-                self.warn_if_no_default_route(outbound)
-            script = internet_access_rules(
-                self._host_table, f"{self.prefix}h*", str(self._slot_block(slot)), slot, outbound
-            )
-            slots.add(slot)  # before running: a partial failure must still be cleaned up
-            await _run_nft_async(script)
-            await asyncio.to_thread(_write_host_sysctl, "net/ipv4/ip_forward", "1")
-            log.debug("slot %d (%s) may reach the internet via %s", slot, net.netns, outbound)
+            while self._uplinks_asked:
+                batch = dict(self._uplinks_asked)
+                self._uplinks_asked.clear()
+                try:
+                    slots = await self._known_internet_slots()
+                    outbound = await asyncio.to_thread(_default_interface)
+                    if outbound is None:
+                        self.warn_if_no_default_route(outbound)
+                    blocks = {slot: str(self._slot_block(slot)) for slot in sorted(batch)}
+                    script = internet_access_rules(
+                        self._host_table, f"{self.prefix}h*", blocks, outbound
+                    )
+                    # Before running: a partial failure must still be cleaned up.
+                    slots.update(batch)
+                    await _run_nft_async(script)
+                    await asyncio.to_thread(_write_host_sysctl, "net/ipv4/ip_forward", "1")
+                except BaseException as exc:
+                    for done in batch.values():
+                        if not done.done():
+                            done.set_exception(NetworkError(f"opening the host failed: {exc}"))
+                    if not isinstance(exc, Exception):
+                        raise
+                    continue
+                for done in batch.values():
+                    if not done.done():
+                        done.set_result(None)
 
     def warn_if_no_default_route(self, outbound: str | None) -> None:
         """Say once per manager (at start-up, from :meth:`reclaim`) that sandboxes asking
@@ -658,25 +692,20 @@ def _default_interface() -> str | None:
 
 
 def internet_access_rules(
-    table: str, veths: str, slot_block: str, slot: int, outbound: str | None
+    table: str, veths: str, slot_blocks: Mapping[int, str], outbound: str | None
 ) -> str:
-    """The nft script letting slot ``slot`` out through ``outbound``, the host's default
-    interface. Without one (``None``) nothing is forwarded or masqueraded, but the slot's
-    chain is still made (it is what marks the slot as having asked): the guest's packets
-    then meet the host's own routing, which has nowhere to send them, so its egress fails
-    as the host's would (the host answers "network unreachable") while everything else
-    about the sandbox works."""
+    """The nft script letting each slot of ``slot_blocks`` (slot: its /30 block) out
+    through ``outbound``, the host's default interface. Without one (``None``) nothing is
+    forwarded or masqueraded, but each slot's chain is still made (it is what marks the
+    slot as having asked): the guest's packets then meet the host's own routing, which
+    has nowhere to send them, so its egress fails as the host's would (the host answers
+    "network unreachable") while everything else about the sandbox works."""
     forward_out = (
         f'add rule ip {table} forward iifname "{veths}" oifname "{outbound}" accept\n'
         if outbound
         else ""
     )
-    masquerade = (
-        f'add rule ip {table} slot{slot} ip saddr {slot_block} oifname "{outbound}" masquerade\n'
-        if outbound
-        else ""
-    )
-    return (
+    script = (
         f"add table ip {table}\n"
         # Sandboxes may only be forwarded out of the default interface: not into
         # each other, and (input) not to services of the host itself.
@@ -688,9 +717,17 @@ def internet_access_rules(
         + forward_out
         + f'add rule ip {table} forward iifname "{veths}" drop\n'
         f'add rule ip {table} forward oifname "{veths}" ct state new drop\n'
-        f"add chain ip {table} slot{slot} {{ type nat hook postrouting priority srcnat; }}\n"
-        f"flush chain ip {table} slot{slot}\n" + masquerade
     )
+    for slot, block in slot_blocks.items():
+        script += (
+            f"add chain ip {table} slot{slot} {{ type nat hook postrouting priority srcnat; }}\n"
+            f"flush chain ip {table} slot{slot}\n"
+        )
+        if outbound:
+            script += (
+                f'add rule ip {table} slot{slot} ip saddr {block} oifname "{outbound}" masquerade\n'
+            )
+    return script
 
 
 def _write_sysctl(key: str, value: str) -> None:
