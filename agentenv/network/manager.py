@@ -598,10 +598,14 @@ class NetworkManager:
             log.exception("rolling back the network of slot %d failed", slot)
 
     def _remove_by_name(self, names: list[str]) -> None:
-        """Delete host veths and namespaces by name; missing ones are skipped."""
-        with IPRoute() as host:
-            for name in names:
-                if self._veth_name.fullmatch(name):
+        """Delete host veths and namespaces by name; missing ones are skipped. Runs in a
+        thread of the root namespace."""
+        # Every create first clears its slot, which is nearly always empty: a netlink
+        # socket is opened only when there is a veth to delete.
+        veths = [n for n in names if self._veth_name.fullmatch(n) and _link_exists(n)]
+        if veths:
+            with IPRoute() as host:
+                for name in veths:
                     # Deleting the host end removes the peer too, at once; the namespace
                     # itself is torn down asynchronously by the kernel.
                     with contextlib.suppress(_NoSuchDevice):
@@ -657,6 +661,15 @@ def _index(ipr: IPRoute, ifname: str) -> int:
     if not indexes:
         raise NetworkError(f"interface {ifname} not found")
     return int(indexes[0])
+
+
+def _link_exists(ifname: str) -> bool:
+    """Whether the calling thread's namespace has an interface ``ifname``."""
+    try:
+        socket.if_nametoindex(ifname)
+    except OSError:
+        return False
+    return True
 
 
 def _delete_link(ipr: IPRoute, ifname: str) -> None:
