@@ -141,6 +141,9 @@ class NetworkManager:
         # Slots with a masquerade chain in the host table; None until read from the kernel.
         self._internet_slots: set[int] | None = None
         self._host_table_lock = asyncio.Lock()
+        # The host address read creates are waiting to start (see _fresh_host_addresses).
+        self._pending_address_read: asyncio.Future[list[HostAddress]] | None = None
+        self._address_read_lock = asyncio.Lock()
         # Slots waiting for their host chain, and the task adding them (see
         # _add_internet_access).
         self._uplinks_asked: dict[int, asyncio.Future[None]] = {}
@@ -194,7 +197,8 @@ class NetworkManager:
         async with self._slot_lock(slot):
             try:
                 await self._destroy_slot(slot)
-                blocked = await _run_blocking(self._build_namespace, net, policy)
+                addresses = await self._fresh_host_addresses()
+                blocked = await _run_blocking(self._build_namespace, net, policy, addresses)
                 if needs_uplink(policy):
                     await self._add_internet_access(slot, net)
                 if policy.needs_filter:
@@ -299,7 +303,26 @@ class NetworkManager:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _build_namespace(self, net: SandboxNetwork, policy: EgressPolicy) -> BlockedRanges:
+    async def _fresh_host_addresses(self) -> list[HostAddress]:
+        """The host's IPv4 addresses, read after this call: creates asking at once (a
+        fork's children) share one read, which starts once they have all asked. Decoding
+        the dump is most of a create's CPU on a host with many sandboxes, and each
+        create adds an address for the next to decode."""
+        pending = self._pending_address_read
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_host_addresses())
+            self._pending_address_read = pending
+        return await asyncio.shield(pending)
+
+    async def _read_host_addresses(self) -> list[HostAddress]:
+        async with self._address_read_lock:
+            # From here on a caller needs a read that starts later: the next one.
+            self._pending_address_read = None
+            return await asyncio.to_thread(_call_with_host_socket, _host_addresses)
+
+    def _build_namespace(
+        self, net: SandboxNetwork, policy: EgressPolicy, addresses: list[HostAddress]
+    ) -> BlockedRanges:
         """Create and configure the namespace and veth. Blocking; runs in its own thread.
 
         The namespace is made by, and configured from, a thread that moves into it (a
@@ -314,7 +337,7 @@ class NetworkManager:
                 with IPRoute() as host:  # opened before the thread moves, so it stays here
                     enter_new_namespace(net.netns)
                     with IPRoute() as inside:
-                        built.append(self._configure(host, inside, net, policy))
+                        built.append(self._configure(host, inside, net, policy, addresses))
             except BaseException as exc:
                 outcome.append(exc)
 
@@ -327,7 +350,12 @@ class NetworkManager:
         return built[0]
 
     def _configure(
-        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork, policy: EgressPolicy
+        self,
+        host: IPRoute,
+        inside: IPRoute,
+        net: SandboxNetwork,
+        policy: EgressPolicy,
+        addresses: list[HostAddress],
     ) -> BlockedRanges:
         # Runs with the calling thread inside the namespace: /proc/sys/net and child
         # processes see the namespace, `host` is still bound to the root namespace.
@@ -345,7 +373,8 @@ class NetworkManager:
         # The ruleset is written to it once the host's addresses have been read.
         nft = _NftRun()
         try:
-            host_networks = self._configure_links(host, inside, net)
+            host_networks = self._claim_host_addresses(addresses, net)
+            self._configure_links(host, inside, net)
         except BaseException:
             nft.abandon()
             raise
@@ -372,14 +401,11 @@ class NetworkManager:
             net.netns, lambda: _NftRun().finish(policy_update_script(policy, blocked))
         )
 
-    def _configure_links(
-        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork
-    ) -> list[ipaddress.IPv4Network]:
-        """Make the veth and tap; returns the host's networks as they were before. Runs in
+    def _configure_links(self, host: IPRoute, inside: IPRoute, net: SandboxNetwork) -> None:
+        """Make the veth and tap. Runs in
         the thread that is inside the namespace: interfaces there are looked up by
         ``if_nametoindex`` (an ioctl in the thread's namespace), as a netlink lookup
         decodes the whole link in Python, a few times the cost of setting it."""
-        host_networks = self._claim_host_addresses(host, net)
         host.link(
             "add",
             ifname=net.host_veth,
@@ -408,29 +434,22 @@ class NetworkManager:
         inside.addr("add", index=veth_index, address=net.guest_address, prefixlen=30)
         inside.link("set", index=veth_index, state="up")
         inside.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
-        return host_networks
 
     def _claim_host_addresses(
-        self, host: IPRoute, net: SandboxNetwork
+        self, addresses: list[HostAddress], net: SandboxNetwork
     ) -> list[ipaddress.IPv4Network]:
         """Refuse a slot whose block is in use; returns the host's connected networks
-        (read in the same dump, for the blocked ranges)."""
+        (for the blocked ranges)."""
         # Two servers given overlapping subnets would route each other's sandboxes wrongly;
         # refuse instead of adding a second route to the same /30.
         block = self._slot_block(net.slot)
-        networks = []
-        for msg in host.addr("dump", family=2):
-            address = msg.get_attr("IFA_ADDRESS")
-            if not address:
-                continue
-            if ipaddress.IPv4Address(address) in block:
-                owner = msg.get("index")
+        for found in addresses:
+            if found.address in block:
                 raise NetworkError(
-                    f"{block} (slot {net.slot}) is already in use on interface index {owner}; "
-                    "does another agentenv server use an overlapping subnet?"
+                    f"{block} (slot {net.slot}) is already in use on interface index "
+                    f"{found.index}; does another agentenv server use an overlapping subnet?"
                 )
-            networks.append(ipaddress.IPv4Network(f"{address}/{msg['prefixlen']}", strict=False))
-        return networks
+        return [found.network for found in addresses]
 
     @staticmethod
     def _namespace_ruleset(
@@ -682,6 +701,36 @@ def _delete_link(ipr: IPRoute, ifname: str) -> None:
         if exc.code == errno.ENODEV:
             raise _NoSuchDevice(ifname) from exc
         raise
+
+
+@dataclass(frozen=True)
+class HostAddress:
+    """An IPv4 address of the host, with its network and interface."""
+
+    address: ipaddress.IPv4Address
+    network: ipaddress.IPv4Network
+    index: int
+
+
+def _host_addresses(host: IPRoute) -> list[HostAddress]:
+    found = []
+    for msg in host.addr("dump", family=2):
+        address = msg.get_attr("IFA_ADDRESS")
+        if address:
+            found.append(
+                HostAddress(
+                    ipaddress.IPv4Address(address),
+                    ipaddress.IPv4Network(f"{address}/{msg['prefixlen']}", strict=False),
+                    int(msg["index"]),
+                )
+            )
+    return found
+
+
+def _call_with_host_socket(func: Callable[[IPRoute], _T]) -> _T:
+    """``func`` given a netlink socket of the calling thread's (root) namespace."""
+    with IPRoute() as host:
+        return func(host)
 
 
 def _host_networks(host: IPRoute) -> list[ipaddress.IPv4Network]:
