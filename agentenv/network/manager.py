@@ -305,7 +305,7 @@ class NetworkManager:
 
     async def _fresh_host_addresses(self) -> list[HostAddress]:
         """The host's IPv4 addresses, read after this call: creates asking at once (a
-        fork's children) share one read, which starts once they have all asked. Decoding
+        fork's children) share one read, started after each of them asked. Decoding
         the dump is most of a create's CPU on a host with many sandboxes, and each
         create adds an address for the next to decode."""
         pending = self._pending_address_read
@@ -370,7 +370,7 @@ class NetworkManager:
         _write_sysctl("net/ipv4/icmp_ratelimit", "0")
         # nft takes longer to start than all the netlink work below; its rules match
         # interfaces by name, so it can load them while the interfaces are being made.
-        # The ruleset is written to it once the host's addresses have been read.
+        # The ruleset is written to it once the interfaces exist.
         nft = _NftRun()
         try:
             host_networks = self._claim_host_addresses(addresses, net)
@@ -402,10 +402,10 @@ class NetworkManager:
         )
 
     def _configure_links(self, host: IPRoute, inside: IPRoute, net: SandboxNetwork) -> None:
-        """Make the veth and tap. Runs in
-        the thread that is inside the namespace: interfaces there are looked up by
-        ``if_nametoindex`` (an ioctl in the thread's namespace), as a netlink lookup
-        decodes the whole link in Python, a few times the cost of setting it."""
+        """Make the veth and tap. Runs in the thread that is inside the namespace:
+        interfaces there are looked up by ``if_nametoindex`` (an ioctl in the thread's
+        namespace), as a netlink lookup decodes the whole link in Python, a few times the
+        cost of setting it."""
         host.link(
             "add",
             ifname=net.host_veth,
