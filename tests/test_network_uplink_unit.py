@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from agentenv.network import NetworkManager
-from agentenv.network.manager import internet_access_rules
+from agentenv.network.uplink import internet_access_rules
 
 
 def test_rules_with_a_default_route_forward_and_masquerade_through_it() -> None:

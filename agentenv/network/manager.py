@@ -13,7 +13,8 @@ is forwarded only as the sandbox's :class:`EgressPolicy` allows (chains ``egress
 ``intercept`` and ``guard``, see :mod:`agentenv.network.egress_rules`; the guest cannot
 touch rules in its namespace). When the policy may let anything out, a table
 ``agentenv_<prefix>`` in the root namespace masquerades it out of the default interface
-and keeps it away from the host's own services and from other sandboxes.
+and keeps it away from the host's own services and from other sandboxes
+(:mod:`agentenv.network.uplink`).
 
 Every resource carries the manager's prefix and the slot in its name, so leftovers of a
 crashed server can be found and removed (`NetworkManager.reclaim`) without touching
@@ -27,13 +28,12 @@ import concurrent.futures
 import contextlib
 import errno
 import ipaddress
-import json
 import logging
 import re
 import socket
 import subprocess
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -56,8 +56,10 @@ from agentenv.network.egress_rules import (
     policy_chains,
     policy_update_script,
 )
+from agentenv.network.errors import NetworkError
 from agentenv.network.namespaces import call_in_namespace, enter_new_namespace
 from agentenv.network.policy import EgressPolicy
+from agentenv.network.uplink import NFT_TIMEOUT_S, HostUplinks, default_interface
 
 __all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
 
@@ -71,12 +73,7 @@ _IFNAMSIZ = 15  # longest interface name the kernel accepts
 # No "h" in prefixes: host veths are <prefix>h<slot> and host rules match "<prefix>h*", which
 # must not also match the veths of another instance's prefix.
 _PREFIX_PATTERN = re.compile(r"[a-gi-z][a-gi-z0-9]{0,7}")
-_NFT_TIMEOUT = 10.0
 _TABLE_SLOT = -1  # stands for "no slot" where resources are listed with their slot
-
-
-class NetworkError(Exception):
-    """A sandbox network could not be created, inspected or removed."""
 
 
 @dataclass(frozen=True)
@@ -133,22 +130,14 @@ class NetworkManager:
         self.prefix = prefix
         self.subnet = network
         self.max_slots = max_slots
-        self._host_table = f"agentenv_{prefix}"
         self._netns_name = re.compile(rf"{re.escape(prefix)}-(0|[1-9][0-9]*)")
         self._veth_name = re.compile(rf"{re.escape(prefix)}h(0|[1-9][0-9]*)")
-        self._chain_name = re.compile(r"slot(0|[1-9][0-9]*)")
         self._slot_locks: dict[int, asyncio.Lock] = {}
-        # Slots with a masquerade chain in the host table; None until read from the kernel.
-        self._internet_slots: set[int] | None = None
-        self._host_table_lock = asyncio.Lock()
+        # The host table forwarding the traffic of sandboxes that may reach the internet.
+        self._uplinks = HostUplinks(prefix)
         # The host address read creates are waiting to start (see _fresh_host_addresses).
         self._pending_address_read: asyncio.Future[list[HostAddress]] | None = None
         self._address_read_lock = asyncio.Lock()
-        # Slots waiting for their host chain, and the task adding them (see
-        # _add_internet_access).
-        self._uplinks_asked: dict[int, asyncio.Future[None]] = {}
-        self._uplink_adder: asyncio.Future[None] | None = None
-        self._warned_no_default_route = False
         # Relays the connections of sandboxes whose policy has host-name rules.
         self.egress_filter = EgressFilter()
 
@@ -200,7 +189,7 @@ class NetworkManager:
                 addresses = await self._fresh_host_addresses()
                 blocked = await _run_blocking(self._build_namespace, net, policy, addresses)
                 if needs_uplink(policy):
-                    await self._add_internet_access(slot, net)
+                    await self._uplinks.add(slot, str(self._slot_block(slot)))
                 if policy.needs_filter:
                     await self.egress_filter.serve(slot, net.netns, policy, blocked)
             except BaseException as exc:
@@ -231,14 +220,14 @@ class NetworkManager:
             # closed after they stop allowing it. Likewise the filter listens before the
             # namespace redirects to it, and stops after it no longer does.
             if needs_uplink(policy):
-                await self._add_internet_access(slot, net)
+                await self._uplinks.add(slot, str(self._slot_block(slot)))
             if policy.needs_filter:
                 await self.egress_filter.serve(slot, net.netns, policy, blocked)
             await _run_blocking(self._replace_policy_chains, net, policy, blocked)
             if not policy.needs_filter:
                 await self.egress_filter.stop(slot)
             if not needs_uplink(policy):
-                await self._remove_internet_access(slot)
+                await self._uplinks.remove(slot)
 
     async def destroy(self, slot: int) -> None:
         """Remove the namespace, veth and host rules of `slot`; absent parts are fine.
@@ -272,7 +261,7 @@ class NetworkManager:
         Meant for startup after a crash: `keep` holds the slots of sandboxes that are
         still alive. Returns the names of what was removed.
         """
-        self.warn_if_no_default_route(await asyncio.to_thread(_default_interface))
+        self.warn_if_no_default_route(await asyncio.to_thread(default_interface))
         found = await asyncio.to_thread(self._scan, True)
         removed: list[str] = []
         slots = {slot for _, slot in found if slot != _TABLE_SLOT}
@@ -283,14 +272,12 @@ class NetworkManager:
             else:
                 # Made by a run configured with more slots; remove by name.
                 await asyncio.to_thread(self._remove_by_name, names)
-                await self._remove_internet_access(slot)
+                await self._uplinks.remove(slot)
             removed.extend(names)
-        async with self._host_table_lock:
-            # A crash between creating the table and its first slot chain leaves it empty.
-            await self._delete_host_table_if_unused()
+        await self._uplinks.delete_table_if_unused()
         had_table = any(slot == _TABLE_SLOT for _, slot in found)
-        if had_table and not await asyncio.to_thread(self._host_table_exists):
-            removed.append(self._host_table)
+        if had_table and not await asyncio.to_thread(self._uplinks.table_exists):
+            removed.append(self._uplinks.table)
         return removed
 
     def resources(self) -> list[str]:
@@ -483,124 +470,10 @@ class NetworkManager:
             "}\n"
         )
 
-    # -- host-side internet access ------------------------------------------------------------
-
-    async def _add_internet_access(self, slot: int, net: SandboxNetwork) -> None:
-        """Open the host to `slot`'s traffic. Slots asking while an nft run is under way
-        wait for the next, which adds all of them in one transaction: a fork's children
-        ask at once, and one nft process each, taking turns, made the last one wait for
-        all the others'."""
-        done = asyncio.get_running_loop().create_future()
-        self._uplinks_asked[slot] = done
-        if self._uplink_adder is None or self._uplink_adder.done():
-            self._uplink_adder = asyncio.ensure_future(self._add_asked_uplinks())
-        try:
-            await done
-        finally:
-            # Cancelled before a run took it: no run will (a run that took it has
-            # recorded the slot, so the rollback removes what it added).
-            if self._uplinks_asked.get(slot) is done:
-                del self._uplinks_asked[slot]
-        log.debug("slot %d (%s) may reach the internet", slot, net.netns)
-
-    async def _add_asked_uplinks(self) -> None:
-        async with self._host_table_lock:
-            while self._uplinks_asked:
-                batch = dict(self._uplinks_asked)
-                self._uplinks_asked.clear()
-                try:
-                    slots = await self._known_internet_slots()
-                    outbound = await asyncio.to_thread(_default_interface)
-                    if outbound is None:
-                        self.warn_if_no_default_route(outbound)
-                    blocks = {slot: str(self._slot_block(slot)) for slot in sorted(batch)}
-                    script = internet_access_rules(
-                        self._host_table, f"{self.prefix}h*", blocks, outbound
-                    )
-                    # Before running: a partial failure must still be cleaned up.
-                    slots.update(batch)
-                    await _run_nft_async(script)
-                    await asyncio.to_thread(_write_host_sysctl, "net/ipv4/ip_forward", "1")
-                except BaseException as exc:
-                    for done in batch.values():
-                        if not done.done():
-                            done.set_exception(NetworkError(f"opening the host failed: {exc}"))
-                    if not isinstance(exc, Exception):
-                        raise
-                    continue
-                for done in batch.values():
-                    if not done.done():
-                        done.set_result(None)
-
     def warn_if_no_default_route(self, outbound: str | None) -> None:
-        """Say once per manager (at start-up, from :meth:`reclaim`) that sandboxes asking
-        for internet access will not get it: one missing route should not stop every
-        create, nor fill the log with one warning per create."""
-        if outbound is None and not self._warned_no_default_route:
-            self._warned_no_default_route = True
-            log.warning(
-                "the host has no IPv4 default route: sandboxes asking for internet access "
-                "start, but their egress fails as the host's does (network unreachable); "
-                "sandboxes started after a route is added get it"
-            )
-
-    async def _remove_internet_access(self, slot: int) -> None:
-        async with self._host_table_lock:
-            slots = await self._known_internet_slots()
-            if slot not in slots:
-                return
-            table = self._host_table
-            slots.discard(slot)
-            script = f"flush chain ip {table} slot{slot}\ndelete chain ip {table} slot{slot}\n"
-            if not slots:
-                # One transaction with the chain's removal: each nft run costs a process.
-                script += f"delete table ip {table}\n"
-            try:
-                await _run_nft_async(script)
-            except NetworkError:
-                # The chain was already gone, so the transaction did nothing.
-                await self._delete_host_table_if_unused()
-
-    async def _delete_host_table_if_unused(self) -> bool:
-        slots = await self._known_internet_slots()
-        if slots or not await asyncio.to_thread(self._host_table_exists):
-            return False
-        await _run_nft_async(f"delete table ip {self._host_table}\n")
-        return True
-
-    async def _known_internet_slots(self) -> set[int]:
-        if self._internet_slots is None:
-            chains = await asyncio.to_thread(self._host_chains)
-            self._internet_slots = {slot for _, slot in chains}
-        return self._internet_slots
-
-    def _host_table_exists(self) -> bool:
-        result = subprocess.run(
-            ["nft", "list", "table", "ip", self._host_table],
-            capture_output=True,
-            timeout=_NFT_TIMEOUT,
-            check=False,
-        )
-        return result.returncode == 0
-
-    def _host_chains(self) -> list[tuple[str, int]]:
-        """(name, slot) of the per-slot chains in this prefix's host table."""
-        result = subprocess.run(
-            ["nft", "-j", "list", "table", "ip", self._host_table],
-            capture_output=True,
-            text=True,
-            timeout=_NFT_TIMEOUT,
-            check=False,
-        )
-        if result.returncode != 0:
-            return []  # no table
-        chains: list[tuple[str, int]] = []
-        for item in json.loads(result.stdout).get("nftables", []):
-            name = item.get("chain", {}).get("name")
-            match = self._chain_name.fullmatch(name) if isinstance(name, str) else None
-            if match:
-                chains.append((f"{self._host_table}/{name}", int(match.group(1))))
-        return chains
+        """Say once per manager that sandboxes asking for internet access will not get
+        it (see :meth:`HostUplinks.warn_if_no_default_route`)."""
+        self._uplinks.warn_if_no_default_route(outbound)
 
     # -- teardown ----------------------------------------------------------------------------
 
@@ -608,7 +481,7 @@ class NetworkManager:
         net = self.describe(slot)
         await self.egress_filter.stop(slot)
         await _run_blocking(self._remove_by_name, [net.host_veth, net.netns])
-        await self._remove_internet_access(slot)
+        await self._uplinks.remove(slot)
 
     async def _rollback(self, slot: int) -> None:
         try:
@@ -649,9 +522,9 @@ class NetworkManager:
                 match = self._veth_name.fullmatch(name) if name else None
                 if match:
                     found.append((name, int(match.group(1))))
-        found.extend(self._host_chains())
-        if include_table and self._host_table_exists():
-            found.append((self._host_table, _TABLE_SLOT))
+        found.extend(self._uplinks.chains())
+        if include_table and self._uplinks.table_exists():
+            found.append((self._uplinks.table, _TABLE_SLOT))
         return found
 
     def _slot_lock(self, slot: int) -> asyncio.Lock:
@@ -742,67 +615,10 @@ def _host_networks(host: IPRoute) -> list[ipaddress.IPv4Network]:
     ]
 
 
-def _default_interface() -> str | None:
-    """The interface of the host's IPv4 default route; None when it has none."""
-    with IPRoute() as host:
-        for route in host.get_default_routes(family=2):
-            index = route.get_attr("RTA_OIF")
-            if index is not None:
-                links = host.link("get", index=index)
-                return str(links[0].get_attr("IFLA_IFNAME"))
-    return None
-
-
-def internet_access_rules(
-    table: str, veths: str, slot_blocks: Mapping[int, str], outbound: str | None
-) -> str:
-    """The nft script letting each slot of ``slot_blocks`` (slot: its /30 block) out
-    through ``outbound``, the host's default interface. Without one (``None``) nothing is
-    forwarded or masqueraded, but each slot's chain is still made (it is what marks the
-    slot as having asked): the guest's packets then meet the host's own routing, which
-    has nowhere to send them, so its egress fails as the host's would (the host answers
-    "network unreachable") while everything else about the sandbox works."""
-    forward_out = (
-        f'add rule ip {table} forward iifname "{veths}" oifname "{outbound}" accept\n'
-        if outbound
-        else ""
-    )
-    script = (
-        f"add table ip {table}\n"
-        # Sandboxes may only be forwarded out of the default interface: not into
-        # each other, and (input) not to services of the host itself.
-        f"add chain ip {table} input {{ type filter hook input priority filter; }}\n"
-        f"flush chain ip {table} input\n"
-        f'add rule ip {table} input iifname "{veths}" ct state new drop\n'
-        f"add chain ip {table} forward {{ type filter hook forward priority filter; }}\n"
-        f"flush chain ip {table} forward\n"
-        + forward_out
-        + f'add rule ip {table} forward iifname "{veths}" drop\n'
-        f'add rule ip {table} forward oifname "{veths}" ct state new drop\n'
-    )
-    for slot, block in slot_blocks.items():
-        script += (
-            f"add chain ip {table} slot{slot} {{ type nat hook postrouting priority srcnat; }}\n"
-            f"flush chain ip {table} slot{slot}\n"
-        )
-        if outbound:
-            script += (
-                f'add rule ip {table} slot{slot} ip saddr {block} oifname "{outbound}" masquerade\n'
-            )
-    return script
-
-
 def _write_sysctl(key: str, value: str) -> None:
     # /proc/sys/net shows the network namespace of the calling thread.
     with open(f"/proc/sys/{key}", "w") as f:
         f.write(value)
-
-
-def _write_host_sysctl(key: str, value: str) -> None:
-    with open(f"/proc/sys/{key}") as f:
-        if f.read().strip() == value:
-            return
-    _write_sysctl(key, value)
 
 
 class _NftRun:
@@ -823,39 +639,16 @@ class _NftRun:
 
     def finish(self, script: str) -> None:
         try:
-            _, stderr = self._proc.communicate(script, timeout=_NFT_TIMEOUT)
+            _, stderr = self._proc.communicate(script, timeout=NFT_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             self.abandon()
-            raise NetworkError(f"nft did not finish within {_NFT_TIMEOUT} s") from exc
+            raise NetworkError(f"nft did not finish within {NFT_TIMEOUT_S} s") from exc
         if self._proc.returncode != 0:
             raise NetworkError(f"nft rejected the ruleset: {stderr.strip()}")
 
     def abandon(self) -> None:
         self._proc.kill()
         self._proc.communicate()
-
-
-async def _run_nft_async(script: str) -> None:
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "nft",
-            "-f",
-            "-",
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-    except OSError as exc:
-        raise NetworkError(f"running nft failed: {exc}") from exc
-    try:
-        _, stderr = await asyncio.wait_for(proc.communicate(script.encode()), _NFT_TIMEOUT)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    if proc.returncode != 0:
-        raise NetworkError(f"nft rejected the ruleset: {stderr.decode().strip()}")
 
 
 async def _run_blocking(func: Callable[..., _T], *args: Any) -> _T:
