@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         h11_max_incomplete_event_size=1024 * 1024,
         http=JsonErrorsHttpToolsProtocol,
         loop="uvloop",
-        # A relayed answer carries the node's Date and Server; uvicorn would add its own.
-        date_header=False,
+        # A relayed answer carries the node's Server header; uvicorn would add its own.
+        # (Its Date header stays: the gateway's answers carry it, relayed ones included,
+        # whose node's Date is left out.)
         server_header=False,
         ssl_certfile=args.tls_cert,
         ssl_keyfile=args.tls_key,
