@@ -150,6 +150,14 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def netns_names(self) -> set[str]:
+        """The network namespaces of this server's sandboxes (others' servers, say a
+        benchmark's on the same machine, come and go meanwhile)."""
+        from agentenv.config import Config
+
+        prefix = f"ae{Config.load(env={}, home=self.home).instance_tag}-"
+        return {name for name in netns_names() if name.startswith(prefix)}
+
     def client(self) -> httpx.Client:
         return httpx.Client(
             base_url=self.url,

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from agentenv import __version__
@@ -631,9 +631,42 @@ def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
                 traffic = {"E2b-Sandbox-Id": "istream"}
                 with client.stream("GET", "/process", headers=traffic) as answer:
                     assert answer.status_code == 200
-                    assert next(answer.iter_raw()) == b"first"
-                    assert not ended.is_set()
+                    # Held: an iterator dropped after its first chunk closes the response
+                    # (and the connection) as it is collected.
+                    chunks = answer.iter_raw()
+                    assert next(chunks) == b"first"
+                    assert not ended.wait(0.5)
             assert ended.wait(60)  # the client's connection closed with the block
+
+
+def test_answers_through_the_gateway_carry_one_date() -> None:
+    """The node's uvicorn and the gateway's both date their answers: a relayed answer (a
+    sandbox's traffic, streamed, or a control route, replayed) keeps only the gateway's."""
+
+    async def dated(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok", headers={"x-node": "a"})
+
+    with ServedApp(Starlette(routes=[Route("/{path:path}", dated)])) as node:
+        reg = registry(Clock())
+        scheduler = SchedulerClient(
+            "http://scheduler.test",
+            KEY,
+            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
+        )
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=node.url))
+            await reg.bind("idated", "a")
+
+        asyncio.run(register())
+        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+            with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
+                for answer in (
+                    client.get("/health", headers={"E2b-Sandbox-Id": "idated"}),
+                    client.get("/sandboxes/idated", headers={"X-API-Key": KEY}),
+                ):
+                    assert answer.headers["x-node"] == "a", answer.url
+                    assert len(answer.headers.get_list("date")) == 1, answer.url
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------

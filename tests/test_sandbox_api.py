@@ -15,7 +15,6 @@ from tests.helpers import (
     create_sandbox,
     create_sandbox_id,
     live_server,
-    netns_names,
     run_command,
     vmm_pids,
 )
@@ -191,11 +190,11 @@ def test_sandboxes_are_isolated(server: ServerProcess) -> None:
 
 def test_kill_releases_everything(server: ServerProcess) -> None:
     with server.client() as c:
-        before_ns = netns_names()
+        before_ns = server.netns_names()
         sandbox_id = create_sandbox_id(c, timeout=120)
         workdir = server.home / "sandboxes" / sandbox_id
         pids = vmm_pids(f"/sandboxes/{sandbox_id}/")
-        new_ns = netns_names() - before_ns
+        new_ns = server.netns_names() - before_ns
         assert len(pids) == 1
         assert len(new_ns) == 1
         assert workdir.is_dir()
@@ -209,7 +208,7 @@ def test_kill_releases_everything(server: ServerProcess) -> None:
         assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 404
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
-        assert not (netns_names() & new_ns)
+        assert not (server.netns_names() & new_ns)
         assert not workdir.exists()
         # The veth pair goes in the background (the kernel takes 10-20 ms of RCU grace
         # periods to delete it; the kill does not wait for that), but it does go.
@@ -311,7 +310,7 @@ def test_failed_create_leaves_nothing(server: ServerProcess) -> None:
         # `used` (none of this session's other tests leave sandboxes behind).
         blocker_ip = str(subnet.network_address + 4 * used + 1)
         before_dirs = set((server.home / "sandboxes").iterdir())
-        before_ns = netns_names()
+        before_ns = server.netns_names()
         with IPRoute() as ipr:
             ipr.link("add", ifname="aeblock0", kind="veth", peer="aeblock1")
             index = ipr.link_lookup(ifname="aeblock0")[0]
@@ -324,7 +323,7 @@ def test_failed_create_leaves_nothing(server: ServerProcess) -> None:
         assert "in use" in failed.json()["message"]
         assert len(c.get("/sandboxes").json()) == used
         assert set((server.home / "sandboxes").iterdir()) == before_dirs
-        assert netns_names() == before_ns
+        assert server.netns_names() == before_ns
         # The slot is free again and the next create succeeds.
         ok = c.post("/sandboxes", json={"templateID": "base"})
         assert ok.status_code == 201

@@ -628,4 +628,6 @@ def _mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
 
 
 def _replay(upstream: httpx.Response, data: bytes) -> Response:
-    return Response(data, status_code=upstream.status_code, headers=response_headers(upstream))
+    # The node's Date is left out: uvicorn adds the gateway's.
+    headers = {k: v for k, v in response_headers(upstream).items() if k.lower() != "date"}
+    return Response(data, status_code=upstream.status_code, headers=headers)
