@@ -115,8 +115,10 @@ class Lifecycle:
         boot_timeout: float,
         memory: MemoryBudget,
         mode: Mode,
+        envd_init_timeout: float = 30.0,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
+        self.envd_init_timeout = envd_init_timeout
         self.mode = mode
         self.memory = memory
         self.store = store
@@ -326,6 +328,7 @@ class Lifecycle:
                     net.guest_address,
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
+                    timeout=self.envd_init_timeout,
                 )
                 phases.mark("envd_init")
             if mounts:
@@ -569,6 +572,7 @@ class Lifecycle:
                     guest_address,
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
+                    timeout=self.envd_init_timeout,
                 )
             except Exception as exc:
                 what = "start" if first else "resume"
