@@ -218,6 +218,7 @@ class Orchestrator:
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
             mode=self.mode,
+            envd_init_timeout=config.envd_init_timeout,
         )
         self._liveness = VmmLiveness(
             self.store, self._machines, self._operations, self._lifecycle, self._free_space

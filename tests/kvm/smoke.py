@@ -48,7 +48,12 @@ CORE_STEPS: dict[str, tuple[str, ...]] = {
 # The host's Python runs many times slower than natively (TCG), and so does every nested
 # guest: the base template's cold boot took about 3 minutes to envd (120 s is the
 # server's default limit), and each request takes seconds.
-SERVER_ENV = {"AENV_TEMPLATE_BOOT_TIMEOUT": "900", "AENV_TEMPLATE_BOOT_ATTEMPTS": "2"}
+SERVER_ENV = {
+    "AENV_TEMPLATE_BOOT_TIMEOUT": "900",
+    "AENV_TEMPLATE_BOOT_ATTEMPTS": "2",
+    # Nested guests run at TCG speed, several at once (a fork of 4): /init can be slow.
+    "AENV_ENVD_INIT_TIMEOUT": "120",
+}
 TEMPLATE_WAIT = 2000.0
 REQUEST_TIMEOUT = 300.0
 # Health polls: each one costs the host a noticeable share of a (TCG) CPU.
