@@ -36,6 +36,7 @@ import pytest_asyncio
 
 from agentenv.vmm.accel import AcceleratorUnavailable, probe_accelerator, resolve_accelerator
 from agentenv.vmm.base import (
+    DiskCapture,
     DriveSpec,
     MachineSpec,
     NetSpec,
@@ -162,7 +163,7 @@ def test_capabilities() -> None:
     assert QemuDriver.disk_formats == ("raw", "qcow2")
     assert set(QemuDriver.accelerators) == {"tcg", "kvm"}
     assert QemuDriver.shared_memory_boot
-    assert QemuDriver.seals_drives
+    assert QemuDriver.disk_capture is DiskCapture.SEAL
     assert QemuDriver.publishes_paused_state
 
 

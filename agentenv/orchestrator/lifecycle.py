@@ -488,7 +488,10 @@ class Lifecycle:
             else SnapshotFiles.from_json(directory.paused_manifest.read_text())
         )
         if files is not None and files.memory_file is not None:
-            memory, shared = files.memory_file, True
+            # The saved RAM file is the sandbox's own: mapped shared where the VMM can
+            # (its RAM lives on in it), else privately (Firecracker: its next save
+            # writes a new one).
+            memory, shared = files.memory_file, self.driver.shared_memory_boot
         else:
             # RAM comes from the stream (or a boot); it lands in a file of the sandbox's
             # own when the VMM can map one, so the next pause is a device-state save.

@@ -48,6 +48,7 @@ from typing import Any
 from qemu.qmp import ConnectError, QMPClient
 
 from agentenv.vmm.base import (
+    DiskCapture,
     MachineSpec,
     SnapshotFiles,
     SnapshotIncompatible,
@@ -150,7 +151,7 @@ class QemuDriver(VMMDriver):
     name = DRIVER_NAME
     executables = ("qemu-system",)
     accelerators = ("tcg", "kvm")
-    seals_drives = True
+    disk_capture = DiskCapture.SEAL
     publishes_paused_state = True
 
     def __init__(

@@ -35,16 +35,14 @@ MODES: dict[str, dict[str, str]] = {
     "firecracker": {"AENV_VMM": "firecracker", "AENV_ACCEL": "kvm"},
     "qemu-kvm": {"AENV_VMM": "qemu", "AENV_ACCEL": "kvm"},
 }
-# Firecracker's drives are raw files, which it cannot seal while the machine runs on
-# (``FirecrackerDriver.seals_drives``), and the orchestrator captures a running sandbox
-# (snapshot, fork, and so a template build's final snapshot) only by sealing its disk: it
-# refuses those with "snapshots and forks need a VMM that can seal a running disk".
-# QEMU's fork of 4 is left out too: nested, it passed once in three runs (a child's
+# Firecracker's raw drives are copied (reflinked) while the machine is paused for its
+# snapshot (``DiskCapture.COPY``), so it runs snapshot, fork and a template build too.
+# QEMU's fork of 4 is left out: nested, it passed once in three runs (a child's
 # restore lost its QMP connection: "migrate-set-capabilities failed:
 # ExecInterruptedError('Disconnected')"; twice the whole test host went away during or
 # after it). ``--core fork`` runs it.
 CORE_STEPS: dict[str, tuple[str, ...]] = {
-    "firecracker": ("pause-connect", "pty", "kill9"),
+    "firecracker": ("pause-connect", "snapshot", "fork", "pty", "kill9", "template"),
     "qemu-kvm": ("pause-connect", "snapshot", "pty", "kill9", "template"),
 }
 # The host's Python runs many times slower than natively (TCG), and so does every nested
