@@ -475,9 +475,10 @@ def prepare_data_dir(directory: Path) -> bool:
     return reflinks
 
 
-def node_mode(url: str) -> dict[str, str]:
-    """The node's VMM and accelerator, from ``GET /health``, and the baseline for them."""
-    with httpx.Client(base_url=url, timeout=120, trust_env=False) as c:
+def node_mode(url: str, key: str) -> dict[str, str]:
+    """The node's VMM and accelerator, from ``GET /health`` (with the key: without one it
+    says only that the node is up), and the baseline for them."""
+    with api_client(url, key) as c:
         health = c.get("/health").json()
     vmm, accel = str(health.get("vmm")), str(health.get("accel"))
     baseline = "bare Firecracker" if vmm == "firecracker" else f"bare QEMU ({accel})"
@@ -506,7 +507,7 @@ def run_all(
     raw: dict[str, list[float]] = {}
     memory: dict[str, list[float]] = {}
     info: dict[str, Any] = {
-        "mode": node_mode(url),
+        "mode": node_mode(url, key),
         "failures": {},
         "not_supported": {},
         "fork_errors": [],
