@@ -173,6 +173,10 @@ class Config(BaseModel):
     # to reach the repository before answering 503. Below the SDK's 60 s request
     # timeout, so the client reads why rather than timing out.
     commit_wait: float = Field(default=50.0, ge=0)
+    # Seconds envd's /init may take after a restore (create, resume, fork) before the
+    # sandbox is given up: generous, as guests starved of CPU (many forks at once on a
+    # loaded TCG host, or nested KVM) answer late.
+    envd_init_timeout: float = Field(default=30.0, gt=0)
     # Registries reached over plain HTTP / without TLS verification, comma-separated
     # (localhost ones always are).
     insecure_registries: str = ""

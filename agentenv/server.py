@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from agentenv import __version__
 from agentenv.api.app import create_app
-from agentenv.api.errors import JsonErrorsH11Protocol
+from agentenv.api.http_protocol import JsonErrorsHttpToolsProtocol
 from agentenv.config import Config, ConfigError
 from agentenv.orchestrator.orchestrator import Orchestrator
 from agentenv.snapshots.objects import RepositoryError, open_store
@@ -304,9 +304,15 @@ def main(argv: list[str] | None = None) -> None:
         # then sees a reset on a request it cannot safely retry, such as a create.
         timeout_keep_alive=KEEP_ALIVE_S,
         # Read request heads up to 1 MiB so the proxy middleware can refuse oversized
-        # ones with a 431 body; h11 would otherwise reset the connection mid-upload.
+        # ones with a 431 body; the protocol would otherwise close the connection
+        # mid-upload (JsonErrorsHttpToolsProtocol bounds the head by this setting too).
         h11_max_incomplete_event_size=1024 * 1024,
-        http=JsonErrorsH11Protocol,
+        http=JsonErrorsHttpToolsProtocol,
+        # Not uvloop (which the gateway and scheduler run on): its transports hand out
+        # sockets that refuse sendmsg and shutdown, which qemu.qmp's send_fd_scm (pause,
+        # snapshot, fork) and the proxy's _shut_down need. Named, since uvicorn's "auto"
+        # would pick uvloop once it is installed.
+        loop="asyncio",
         ssl_certfile=config.tls_cert,
         ssl_keyfile=config.tls_key,
     )

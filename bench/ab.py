@@ -5,7 +5,9 @@ that comes and goes on a shared machine falls on both alike.
 Both servers run at once. Each cycle times, on each server in turn (the order swapped
 every cycle): create → running, the first command, pause, resume → running (connect)
 and the first command after it, with ``--fork N`` a fork of N children → API (the
-children are killed untimed), then kill. The table shows each metric's median and p90
+children are killed untimed) and the CPU the server process used meanwhile, its own and
+its reaped child processes' (``fork_server_cpu``: on a loaded host a steadier figure than
+the wall time), then kill. The table shows each metric's median and p90
 for both and the candidate's median over the baseline's.
 
 Usage (as root):
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -52,6 +55,12 @@ def started(home: Path, checkout: Path, env: dict[str, str]) -> Iterator[ServerP
         yield srv
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid`` (all its threads) and of the children it has reaped."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def cycle(server: ServerProcess, c: httpx.Client, fork: int = 0) -> dict[str, float]:
     t: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -69,9 +78,11 @@ def cycle(server: ServerProcess, c: httpx.Client, fork: int = 0) -> dict[str, fl
     assert run_command(server.url, sandbox_id, "echo hi", token=token).stdout == "hi\n"
     t["resume_to_first_command"] = time.perf_counter() - r0
     if fork:
-        f0 = time.perf_counter()
+        assert server.proc is not None
+        cpu0, f0 = cpu_seconds(server.proc.pid), time.perf_counter()
         forked = expect(c.post(f"/sandboxes/{sandbox_id}/fork", json={"count": fork}), 201)
         t["fork_to_api"] = time.perf_counter() - f0
+        t["fork_server_cpu"] = cpu_seconds(server.proc.pid) - cpu0
         errors = [item["error"] for item in forked.json() if "error" in item]
         assert not errors, errors
         for item in forked.json():
@@ -106,7 +117,7 @@ def main() -> None:
     prepare_data_dir(args.data_dir)
     home = Path(tempfile.mkdtemp(prefix="aenv-ab-", dir=args.data_dir))
     names = ("baseline", "candidate")
-    metrics = METRICS + (("fork_to_api",) if args.fork else ())
+    metrics = METRICS + (("fork_to_api", "fork_server_cpu") if args.fork else ())
     results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in metrics} for n in names}
     try:
         with ExitStack() as stack:

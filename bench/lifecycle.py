@@ -19,8 +19,10 @@ Measures, through the API of a live server (``--runs`` times unless noted):
                            one answered (``--fork-runs`` times, N = ``--fork-count``)
   memory                   PSS of the N idle children's VMMs (~3 s after the fork) per
                            child, against one sandbox created from the template
-and, as the baseline, the same snapshot restored with bare ``qemu-system-x86_64``
-processes driven by raw QMP (no agentenv code on the path):
+and, as the baseline, the same snapshot restored with bare VMM processes of the node's
+mode (``GET /health``): under QEMU (TCG or KVM, the node's accelerator, which the
+template's snapshot records) bare ``qemu-system-x86_64`` processes driven by raw QMP (no
+agentenv code on the path; ``bench/bare_qemu.py``):
   bare restore → running   process start → ``cont`` returned (RAM: the template's file
                            mapped private, as create does); baseline of create
   bare kill                SIGKILL → reaped
@@ -32,13 +34,24 @@ processes driven by raw QMP (no agentenv code on the path):
                            ``query-migrate`` says completed, then SIGKILL → reaped
   bare fork → running      N restores at once, each with its own qcow2 overlay, private
                            RAM mapping and network namespace, until all returned ``cont``
+and under Firecracker bare ``firecracker`` processes loading the template's snapshot
+through their API, the same five figures (``bench/bare_firecracker.py``). A step the
+node's VMM cannot do (the API answers 501, or names the VMM as unable) is a "not
+supported" row, not a failure.
 The table shows each metric's median against its baseline and against the issue's
 targets (resume → running ≤ 35 ms, pause ≤ 50 ms, snapshot after 1 GiB ≤ 100 ms,
 fork of 16 → all answering ≤ 400 ms); a miss is reported, never asserted.
 
 Usage (as root):
   .venv/bin/python bench/lifecycle.py [--runs 20] [--big-runs 3] [--fork-runs 3]
-      [--fork-count 16] [--json bench/results/lifecycle.json]
+      [--fork-count 16] [--json bench/results/lifecycle.json] [--server-wait 600]
+The server runs the mode its environment picks (``AENV_VMM``, ``AENV_ACCEL``; QEMU TCG
+on this repository's machine). In the nested KVM test host, with small counts (the
+host runs at TCG speed) and the JSON printed, since the host's files stay inside:
+  scripts/kvm-host run --env AENV_VMM=firecracker --env AENV_ACCEL=kvm \\
+      --env AENV_TEMPLATE_BOOT_TIMEOUT=900 -- sh -c '.venv/bin/python bench/lifecycle.py \\
+      --runs 3 --big-runs 0 --fork-runs 1 --fork-count 2 --server-wait 1800 \\
+      --json bench/results/fc.json; cat bench/results/fc.json'
 It starts its own server in a temporary directory under --data-dir (made reflink-capable
 with scripts/data-fs, as the test suite's is) unless --url/--key are given; the bare
 baselines then need --server-home (the server's data directory) to find the template.
@@ -47,11 +60,9 @@ baselines then need --server-home (the server's data directory) to find the temp
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,18 +78,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentenv.config import Config
-from agentenv.network import NetworkManager
-from agentenv.network.addresses import GUEST_MAC, TAP_NAME
-from agentenv.storage.volumes import make_empty_slot
-from agentenv.vmm.base import DriveSpec, MachineSpec, NetSpec
-from agentenv.vmm.qemu import QemuDriver
-from agentenv.vmm.qemu_vm import (
-    balloon_of_snapshot,
-    machine_of_snapshot,
-    qmp_socket_path,
-    reports_free_pages,
-)
-from tests.helpers import ServerProcess, live_server, netns_names, run_command, vmm_pids
+from bench.bare_firecracker import bench_bare_firecracker
+from bench.bare_qemu import bench_bare
+from tests.helpers import ServerProcess, cleanup_host, netns_names, run_command, vmm_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,10 +92,12 @@ TARGETS_MS: dict[str, float] = {
     "fork_to_all_answering": 400,
 }
 TARGET_FORK_COUNT = 16
+# The metrics each step of run_all measures (a step the VMM cannot do has none of them).
+STEP_METRICS: dict[str, tuple[str, ...]] = {
+    "snapshots": ("snapshot_after_0_bytes", "write_1gib_in_guest", "snapshot_after_1gib"),
+    "fork": ("fork_api", "fork_to_all_answering"),
+}
 BIG_WRITE_MIB = 1024
-# Effectively unthrottled migration, as agentenv sets it (the default cap crawls).
-_MIGRATE_MAX_BANDWIDTH = 100 * 1024**3
-_MIGRATE_DOWNTIME_LIMIT_MS = 100_000
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -119,11 +123,26 @@ def api_client(url: str, key: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=900, trust_env=False)
 
 
+class NotSupported(RuntimeError):
+    """The node's VMM cannot do what was asked, as the API said."""
+
+
+# How the API says a VMM cannot do something: 501, or (until every such refusal is one)
+# a 500 naming what the VMM lacks, as "snapshots and forks need a VMM that can seal a
+# running disk; firecracker cannot".
+_UNSUPPORTED_PHRASE = "need a VMM that can"
+
+
 def expect(response: httpx.Response, status: int) -> httpx.Response:
     """``response`` if it has ``status``; anything else (an error, or 200 for a connect
-    that did not resume) aborts the bench with the server's answer."""
+    that did not resume) aborts the bench with the server's answer, as
+    :class:`NotSupported` when it says the VMM cannot do it."""
     if response.status_code != status:
         request = response.request
+        if response.status_code == 501 or (
+            response.status_code >= 500 and _UNSUPPORTED_PHRASE in response.text
+        ):
+            raise NotSupported(f"{response.status_code} {response.text}")
         raise RuntimeError(
             f"{request.method} {request.url.path}: expected {status}, "
             f"got {response.status_code} {response.text}"
@@ -248,8 +267,26 @@ def bench_snapshots(url: str, key: str, runs: int, big_runs: int) -> dict[str, l
     return results
 
 
-def _children_pss_kib(children: list[str]) -> int:
-    return sum(_pss_kib(pid) for child in children for pid in vmm_pids(f"/sandboxes/{child}/"))
+def sandbox_vmm_pids(home: Path | None, sandbox_id: str) -> list[int]:
+    """The VMM process of ``sandbox_id``: the pid its driver recorded in the sandbox's
+    ``vm.json`` (a jailed Firecracker's command line names no path of the server's), else
+    the VMM whose command line names the sandbox's directory."""
+    if home is not None:
+        pids = []
+        for record in (home / "sandboxes" / sandbox_id).glob("**/vm.json"):
+            try:
+                pid = int(json.loads(record.read_text())["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if Path(f"/proc/{pid}").exists():
+                pids.append(pid)
+        if pids:
+            return pids
+    return vmm_pids(f"/sandboxes/{sandbox_id}/")
+
+
+def _children_pss_kib(home: Path | None, children: list[str]) -> int:
+    return sum(_pss_kib(pid) for child in children for pid in sandbox_vmm_pids(home, child))
 
 
 def _answer(url: str, child: dict[str, Any]) -> tuple[str, float]:
@@ -261,7 +298,7 @@ def _answer(url: str, child: dict[str, Any]) -> tuple[str, float]:
 
 
 def bench_fork(
-    url: str, key: str, runs: int, count: int, settle: float = 3.0
+    url: str, key: str, home: Path | None, runs: int, count: int, settle: float = 3.0
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], list[str]]:
     """Fork one running sandbox into ``count`` children, ``runs`` times. Returns the
     latencies, the children's memory (PSS per idle child, MiB) and the errors of
@@ -299,7 +336,7 @@ def bench_fork(
                         results["fork_to_all_answering"].append(t2 - t0)
                     if children:
                         time.sleep(settle)
-                        total = _children_pss_kib([ch["sandboxID"] for ch in children]) / 1024
+                        total = _children_pss_kib(home, [ch["sandboxID"] for ch in children]) / 1024
                         memory["fork_children_pss_mib"].append(total)
                         memory["fork_child_pss_mib"].append(total / len(children))
                 finally:
@@ -308,358 +345,6 @@ def bench_fork(
         finally:
             c.delete(f"/sandboxes/{parent_id}")
     return results, memory, errors
-
-
-# -- bare QEMU baseline -----------------------------------------------------------------
-async def _qmp(
-    path: Path, deadline: float, proc: subprocess.Popen[bytes] | None = None
-) -> tuple[socket.socket, asyncio.StreamReader, asyncio.StreamWriter]:
-    """The QMP socket (kept for SCM_RIGHTS) and a stream over it, greeting read."""
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(str(path))
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            sock.close()
-            if time.perf_counter() > deadline or (proc is not None and proc.poll() is not None):
-                raise
-            await asyncio.sleep(0.001)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    await reader.readline()  # greeting
-    return sock, reader, writer
-
-
-async def _execute(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    command: str,
-    arguments: dict[str, Any] | None = None,
-) -> Any:
-    msg: dict[str, Any] = {"execute": command}
-    if arguments:
-        msg["arguments"] = arguments
-    writer.write(json.dumps(msg).encode() + b"\n")
-    await writer.drain()
-    while True:
-        reply = json.loads(await reader.readline())
-        if "return" in reply:
-            return reply["return"]
-        if "error" in reply:
-            raise RuntimeError(f"{command}: {reply['error']}")
-
-
-class BareVM:
-    """One bare QEMU process and its QMP connection."""
-
-    def __init__(
-        self,
-        proc: subprocess.Popen[bytes],
-        sock: socket.socket,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        workdir: Path,
-    ) -> None:
-        self.proc, self.sock, self.reader, self.writer = proc, sock, reader, writer
-        self.workdir = workdir
-
-    async def execute(self, command: str, arguments: dict[str, Any] | None = None) -> Any:
-        return await _execute(self.reader, self.writer, command, arguments)
-
-    async def pass_fd(self, fd: int, name: str) -> None:
-        """``fd`` to QEMU as ``name``: SCM_RIGHTS on the QMP socket, then ``getfd``."""
-        socket.send_fds(self.sock, [b" "], [fd])
-        await self.execute("getfd", {"fdname": name})
-
-    async def await_migration(self) -> None:
-        while True:
-            info = await self.execute("query-migrate")
-            status = info.get("status")
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled"):
-                raise RuntimeError(f"bare migration {status}: {info.get('error-desc')}")
-            await asyncio.sleep(0.001)
-
-    def kill(self) -> float:
-        """SIGKILL and reap; seconds that took."""
-        k0 = time.perf_counter()
-        self.proc.kill()
-        self.proc.wait()
-        k1 = time.perf_counter()
-        self.writer.close()
-        if self.proc.returncode not in (-9, 0):
-            raise RuntimeError(f"bare QEMU failed: {_log_tail(self.workdir)}")
-        return k1 - k0
-
-
-def _log_tail(workdir: Path) -> str:
-    try:
-        return (workdir / "qemu.log").read_text(errors="replace")[-2000:]
-    except OSError:
-        return "(no log)"
-
-
-async def _run_tool(*argv: str) -> None:
-    proc = await asyncio.create_subprocess_exec(*argv, stderr=subprocess.PIPE)
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[0]} failed: {err.decode(errors='replace')}")
-
-
-def _bare_argv(
-    manifest: dict[str, Any], workdir: Path, overlay: Path, memory: Path, share: bool
-) -> list[str]:
-    """The command line agentenv's QEMU driver gives a restore of this snapshot (machine
-    options it was made on, drives, volume slots, NIC, balloon, TCG cache size), built by
-    the driver so the baseline presents the same device set; only the timed path (process
-    start → ``cont``) is bare, driven by raw QMP."""
-    files = manifest["files"]
-    drives = [
-        DriveSpec("root", overlay, fmt="qcow2"),
-        DriveSpec("tools", Path(manifest["tools_drive"]), read_only=True),
-    ]
-    for drive_id in files["shape"]["drives"][2:]:
-        slot = workdir / f"{drive_id}.empty"
-        if not slot.exists():
-            make_empty_slot(slot)
-        drives.append(DriveSpec(drive_id, slot))
-    spec = MachineSpec(
-        vcpus=manifest["vcpus"],
-        memory_mib=manifest["memory_mib"],
-        kernel=Path(manifest["kernel"]),
-        initrd=Path(manifest["initrd"]) if manifest.get("initrd") else None,
-        cmdline=manifest["cmdline"],
-        drives=tuple(drives),
-        memory_file=memory,
-        memory_shared=share,
-        accel=files["accel"],
-        net=NetSpec(tap=TAP_NAME, mac=GUEST_MAC) if files["shape"].get("net") else None,
-    )
-    meta = files.get("meta", {})
-    return QemuDriver(tb_size_mib=Config().tcg_tb_size_mib).build_argv(
-        spec,
-        workdir,
-        incoming=True,
-        machine=machine_of_snapshot(meta),
-        balloon=balloon_of_snapshot(meta),
-    )
-
-
-async def bare_restore(
-    snapshot_dir: Path,
-    workdir: Path,
-    netns: str,
-    *,
-    memory_file: Path | None = None,
-    share: bool = False,
-    time_overlay: bool = True,
-) -> tuple[BareVM, float]:
-    """A bare QEMU restored from ``snapshot_dir`` and continued, and the seconds from
-    start until ``cont`` returned, creating the disk overlay included unless not
-    ``time_overlay`` (a resume finds its disk there). RAM is the snapshot's memory file
-    mapped private unless another ``memory_file`` / ``share`` is given."""
-    manifest = json.loads((snapshot_dir / "snapshot.json").read_text())
-    files = manifest["files"]
-    workdir.mkdir(parents=True, exist_ok=True)
-    overlay = workdir / "disk.qcow2"
-    memory = memory_file or Path(files["memory_file"])
-    # The balloon the snapshot was made with (agentenv.vmm.qemu_vm); one that reports
-    # free pages has them punched out of the RAM file, so it gets a clone of its own.
-    balloon = balloon_of_snapshot(files.get("meta", {}))
-    t0 = time.perf_counter()
-    if reports_free_pages(balloon) and not share:
-        clone = workdir / "memory.raw"
-        await _run_tool("cp", "--reflink=auto", "--sparse=always", str(memory), str(clone))
-        memory, share = clone, True
-    await _run_tool(
-        "qemu-img",
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        str(snapshot_dir / manifest["disk"]),
-        "-F",
-        "qcow2",
-        str(overlay),
-    )
-    if not time_overlay:
-        t0 = time.perf_counter()
-    argv = [
-        "nsenter",
-        f"--net=/run/netns/{netns}",
-        "--",
-        *_bare_argv(manifest, workdir, overlay, memory, share),
-    ]
-    log = os.open(workdir / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
-    finally:
-        os.close(log)
-    try:
-        sock, reader, writer = await _qmp(qmp_socket_path(workdir), time.perf_counter() + 10, proc)
-        vm = BareVM(proc, sock, reader, writer, workdir)
-        await vm.execute("qmp_capabilities")
-        await vm.execute(
-            "migrate-set-capabilities",
-            {"capabilities": [{"capability": "x-ignore-shared", "state": True}]},
-        )
-        await vm.execute("migrate-incoming", {"uri": f"exec:cat {files['state_file']}"})
-        await vm.await_migration()
-        await vm.execute("cont")
-        t1 = time.perf_counter()
-    except BaseException as exc:
-        proc.kill()
-        proc.wait()
-        if not isinstance(exc, Exception):
-            raise
-        raise RuntimeError(f"bare restore failed: {exc!r}\n{_log_tail(workdir)}") from exc
-    return vm, t1 - t0
-
-
-def _cleanup_bare(workdir: Path) -> None:
-    """Everything a bare run left in ``workdir`` (overlay, sockets, console, RAM copy)."""
-    for path in workdir.iterdir():
-        if not path.is_dir():
-            path.unlink(missing_ok=True)
-
-
-async def bare_restore_once(snapshot_dir: Path, workdir: Path, netns: str) -> tuple[float, float]:
-    vm, running = await bare_restore(snapshot_dir, workdir, netns)
-    try:
-        killed = vm.kill()
-    finally:
-        _cleanup_bare(workdir)
-    return running, killed
-
-
-async def bare_pause_once(
-    snapshot_dir: Path, workdir: Path, netns: str, settle: float = 0.5
-) -> tuple[float, float, int]:
-    """Restore with RAM mapped shared from a copy of the template's file (a reflink where
-    the filesystem can), then pause it as agentenv does: ``stop``, device state only
-    (``x-ignore-shared``) to a file handed over by SCM_RIGHTS, SIGKILL. Returns the
-    restore's seconds, the pause's seconds and the state file's size."""
-    manifest = json.loads((snapshot_dir / "snapshot.json").read_text())
-    workdir.mkdir(parents=True, exist_ok=True)
-    memory = workdir / "memory.raw"
-    state = workdir / "state.mig"
-    subprocess.run(["cp", "--reflink=auto", manifest["files"]["memory_file"], memory], check=True)
-    try:
-        vm, resumed = await bare_restore(
-            snapshot_dir, workdir, netns, memory_file=memory, share=True, time_overlay=False
-        )
-        try:
-            await asyncio.sleep(settle)
-            await vm.execute(
-                "migrate-set-capabilities",
-                {"capabilities": [{"capability": "x-ignore-shared", "state": True}]},
-            )
-            await vm.execute(
-                "migrate-set-parameters",
-                {
-                    "max-bandwidth": _MIGRATE_MAX_BANDWIDTH,
-                    "downtime-limit": _MIGRATE_DOWNTIME_LIMIT_MS,
-                },
-            )
-            t0 = time.perf_counter()
-            await vm.execute("stop")
-            fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                await vm.pass_fd(fd, "bare-save")
-            finally:
-                os.close(fd)
-            await vm.execute("migrate", {"uri": "fd:bare-save"})
-            await vm.await_migration()
-        finally:
-            vm.kill()
-        t1 = time.perf_counter()
-        size = state.stat().st_size
-    finally:
-        _cleanup_bare(workdir)
-    return resumed, t1 - t0, size
-
-
-async def bare_fork_once(
-    snapshot_dir: Path, workdir: Path, netns: list[str], settle: float = 3.0
-) -> tuple[float, float]:
-    """``len(netns)`` restores started at once (own overlay, private RAM mapping, own
-    namespace). Returns the seconds until all returned ``cont`` and their PSS per
-    process (MiB) ``settle`` seconds later."""
-    dirs = [workdir / f"child-{i}" for i in range(len(netns))]
-    t0 = time.perf_counter()
-    started = await asyncio.gather(
-        *(bare_restore(snapshot_dir, d, ns) for d, ns in zip(dirs, netns, strict=True)),
-        return_exceptions=True,
-    )
-    t1 = time.perf_counter()
-    vms = [item[0] for item in started if not isinstance(item, BaseException)]
-    try:
-        failures = [item for item in started if isinstance(item, BaseException)]
-        if failures:
-            raise RuntimeError(f"{len(failures)} bare fork restores failed: {failures[0]}")
-        await asyncio.sleep(settle)
-        pss = sum(_pss_kib(vm.proc.pid) for vm in vms) / 1024 / len(vms)
-    finally:
-        for vm in vms:
-            vm.kill()
-        for d in dirs:
-            _cleanup_bare(d)
-    return t1 - t0, pss
-
-
-async def _bench_bare(
-    snapshot_dir: Path, workdir: Path, runs: int, fork_runs: int, fork_count: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    results: dict[str, list[float]] = {
-        "bare_restore_to_running": [],
-        "bare_kill": [],
-        "bare_resume_to_running": [],
-        "bare_pause": [],
-        "bare_fork_to_running": [],
-    }
-    extra: dict[str, list[float]] = {"bare_pause_state_bytes": [], "bare_fork_child_pss_mib": []}
-    slots = max(1, fork_count)
-    network = NetworkManager(prefix="aebase", subnet="10.254.0.0/24")
-    try:
-        nets = [await network.create(slot) for slot in range(slots)]
-        netns = nets[0].netns
-        await bare_restore_once(snapshot_dir, workdir / "restore", netns)  # warm-up
-        for _ in range(runs):
-            running, killed = await bare_restore_once(snapshot_dir, workdir / "restore", netns)
-            results["bare_restore_to_running"].append(running)
-            results["bare_kill"].append(killed)
-        for _ in range(runs):
-            resumed, paused, size = await bare_pause_once(snapshot_dir, workdir / "pause", netns)
-            results["bare_resume_to_running"].append(resumed)
-            results["bare_pause"].append(paused)
-            extra["bare_pause_state_bytes"].append(size)
-        for _ in range(fork_runs):
-            forked, pss = await bare_fork_once(
-                snapshot_dir, workdir / "fork", [n.netns for n in nets[:fork_count]]
-            )
-            results["bare_fork_to_running"].append(forked)
-            extra["bare_fork_child_pss_mib"].append(pss)
-    finally:
-        for slot in range(slots):
-            await network.destroy(slot)
-    return results, extra
-
-
-def bench_bare(
-    snapshot_dir: Path,
-    runs: int,
-    fork_runs: int = 0,
-    fork_count: int = 1,
-    workdir: Path | None = None,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """The snapshot's virtio-net device was saved with a tap backend, so each bare QEMU
-    needs a tap too: one namespace with one per concurrent process, made once and
-    outside the timed path. ``workdir`` should be on the data directory's filesystem
-    (RAM files are reflinked there)."""
-    with tempfile.TemporaryDirectory(prefix="aenv-bare-", dir=workdir) as tmp:
-        return asyncio.run(_bench_bare(snapshot_dir, Path(tmp), runs, fork_runs, fork_count))
 
 
 def _pss_kib(pid: int) -> int:
@@ -674,13 +359,13 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def idle_cost(url: str, key: str, seconds: float = 5.0) -> dict[str, float]:
+def idle_cost(url: str, key: str, home: Path | None, seconds: float = 5.0) -> dict[str, float]:
     """Host memory (PSS) and CPU of one idle sandbox's VMM."""
     with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120, trust_env=False) as c:
         sandbox_id = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
         try:
             run_command(url, sandbox_id, "true")
-            (pid,) = vmm_pids(f"/sandboxes/{sandbox_id}/")
+            (pid,) = sandbox_vmm_pids(home, sandbox_id)
             ticks0, t0 = _cpu_ticks(pid), time.monotonic()
             time.sleep(seconds)
             ticks1, t1 = _cpu_ticks(pid), time.monotonic()
@@ -726,8 +411,11 @@ def print_table(
     baseline: dict[str, str],
     targets: dict[str, float] | None = None,
     *,
+    unsupported: dict[str, str] | None = None,
     width: int = 28,
 ) -> None:
+    """One row per metric measured; ``unsupported`` metrics (of the step named) get a
+    "not supported" row instead."""
     target_head = f"{'target':>8}{'met':>5}" if targets is not None else ""
     header = (
         f"{'metric':<{width}}{'n':>4}{'p50 ms':>10}{'p90 ms':>10}{'min':>9}{'max':>9}"
@@ -750,6 +438,9 @@ def print_table(
             f"{name:<{width}}{s['n']:>4}{s['p50_ms']:>10.1f}{s['p90_ms']:>10.1f}"
             f"{s['min_ms']:>9.1f}{s['max_ms']:>9.1f}{target}  {ratio}"
         )
+    for name, step in (unsupported or {}).items():
+        if name not in summary:
+            print(f"{name:<{width}}   -  not supported by the node's VMM ({step} step)")
 
 
 def reflink_capable(directory: Path) -> bool:
@@ -784,6 +475,29 @@ def prepare_data_dir(directory: Path) -> bool:
     return reflinks
 
 
+def node_mode(url: str, key: str) -> dict[str, str]:
+    """The node's VMM and accelerator, from ``GET /health`` (with the key: without one it
+    says only that the node is up), and the baseline for them."""
+    with api_client(url, key) as c:
+        health = c.get("/health").json()
+    vmm, accel = str(health.get("vmm")), str(health.get("accel"))
+    baseline = "bare Firecracker" if vmm == "firecracker" else f"bare QEMU ({accel})"
+    return {"vmm": vmm, "accel": accel, "baseline": baseline}
+
+
+def checked_snapshot(snapshot_dir: Path, mode: dict[str, str]) -> Path:
+    """``snapshot_dir`` once its manifest says it was saved in the node's ``mode`` (the
+    bare VMM restores it with the VMM and accelerator it records)."""
+    files = json.loads((snapshot_dir / "snapshot.json").read_text())["files"]
+    saved = (files.get("driver"), files.get("accel"))
+    if saved != (mode["vmm"], mode["accel"]):
+        raise RuntimeError(
+            f"template {snapshot_dir} was saved under {saved[0]}/{saved[1]}; "
+            f"the node runs {mode['vmm']}/{mode['accel']}"
+        )
+    return snapshot_dir
+
+
 def run_all(
     args: argparse.Namespace, url: str, key: str, home: Path | None, scratch: Path | None
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
@@ -792,14 +506,25 @@ def run_all(
     QEMUs' files go to ``scratch``."""
     raw: dict[str, list[float]] = {}
     memory: dict[str, list[float]] = {}
-    info: dict[str, Any] = {"failures": {}, "fork_errors": [], "idle": {}}
+    info: dict[str, Any] = {
+        "mode": node_mode(url, key),
+        "failures": {},
+        "not_supported": {},
+        "fork_errors": [],
+        "idle": {},
+    }
 
     def step(name: str, work: Callable[[], Any]) -> Any:
-        """``work()``; a failure is reported and recorded, and the other parts go on."""
+        """``work()``; a failure is reported and recorded, and the other parts go on; a
+        step the VMM cannot do is recorded as not supported."""
         print(f"... {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             out = work()
+        except NotSupported as exc:
+            print(f"    {name} not supported: {exc}", file=sys.stderr, flush=True)
+            info["not_supported"][name] = str(exc)
+            return None
         except Exception as exc:
             print(f"    {name} FAILED: {exc!r}", file=sys.stderr, flush=True)
             info["failures"][name] = repr(exc)
@@ -810,19 +535,25 @@ def run_all(
     raw |= step("create/kill", lambda: bench_api(url, key, args.runs)) or {}
     raw |= step("pause/resume", lambda: bench_pause_resume(url, key, args.runs)) or {}
     raw |= step("snapshots", lambda: bench_snapshots(url, key, args.runs, args.big_runs)) or {}
-    forked = step("fork", lambda: bench_fork(url, key, args.fork_runs, args.fork_count))
+    forked = step("fork", lambda: bench_fork(url, key, home, args.fork_runs, args.fork_count))
     if forked is not None:
         raw |= forked[0]
         memory |= forked[1]
         info["fork_errors"] = forked[2]
-    info["idle"] = step("idle sandbox", lambda: idle_cost(url, key)) or {}
+    info["idle"] = step("idle sandbox", lambda: idle_cost(url, key, home)) or {}
     if home is not None:
         template = home / "templates" / "base"
         snapshot_dirs = sorted(p for p in template.iterdir() if (p / "snapshot.json").exists())
+        snapshot_dir = snapshot_dirs[-1]
+        bare_bench = bench_bare_firecracker if info["mode"]["vmm"] == "firecracker" else bench_bare
         bare = step(
-            "bare QEMU",
-            lambda: bench_bare(
-                snapshot_dirs[-1], args.runs, args.fork_runs, args.fork_count, workdir=scratch
+            info["mode"]["baseline"],
+            lambda: bare_bench(
+                checked_snapshot(snapshot_dir, info["mode"]),
+                args.runs,
+                args.fork_runs,
+                args.fork_count,
+                workdir=scratch,
             ),
         )
         if bare is not None:
@@ -855,6 +586,12 @@ def main() -> None:
     parser.add_argument(
         "--server-home", type=Path, help="its data directory (with --url; for the baselines)"
     )
+    parser.add_argument(
+        "--server-wait",
+        type=float,
+        default=600.0,
+        help="seconds our server may take to build its base template (nested: far longer)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/lifecycle.py must run as root")
@@ -872,9 +609,13 @@ def main() -> None:
         home = Path(tempfile.mkdtemp(prefix="aenv-bench-", dir=args.data_dir))
         server = ServerProcess(home=home / "node")
         try:
-            with live_server(server):
-                raw, info = run_all(args, server.url, server.api_key, server.home, home)
+            server.spawn()
+            # Polled every few seconds: nested, each poll takes CPU from the template boot.
+            server.wait_ready(args.server_wait, poll_every=3.0, request_timeout=30.0)
+            raw, info = run_all(args, server.url, server.api_key, server.home, home)
         finally:
+            server.stop()
+            cleanup_host(server.home)
             problems = log_problems(server.log_path)
             log_copy = args.json.with_suffix(".server.log")
             log_copy.parent.mkdir(parents=True, exist_ok=True)
@@ -894,8 +635,18 @@ def main() -> None:
     targets = dict(TARGETS_MS)
     if args.fork_count != TARGET_FORK_COUNT:
         del targets["fork_to_all_answering"]  # the target is for 16 children
-    print(f"\nfork count {args.fork_count}; data directory reflinks: {reflinks}")
-    print_table(summary, baseline, targets)
+    mode = info["mode"]
+    print(
+        f"\nnode {mode['vmm']}/{mode['accel']}, baseline {mode['baseline']}; "
+        f"fork count {args.fork_count}; data directory reflinks: {reflinks}"
+    )
+    unsupported = {
+        metric: step
+        for step, metrics in STEP_METRICS.items()
+        if step in info["not_supported"]
+        for metric in metrics
+    }
+    print_table(summary, baseline, targets, unsupported=unsupported)
     met = {
         name: {
             "target_ms": target,
@@ -929,11 +680,16 @@ def main() -> None:
         )
     if memory.get("bare_pause_state_bytes"):
         print(f"bare pause state file: {_median(memory['bare_pause_state_bytes']) / 1024:.0f} KiB")
+    if memory.get("bare_pause_memory_bytes"):
+        size = _median(memory["bare_pause_memory_bytes"]) / 2**20
+        print(f"bare pause RAM image: {size:.0f} MiB")
     if info["fork_errors"]:
         print(f"\nfork: {len(info['fork_errors'])} children failed: {info['fork_errors'][:3]}")
     left = {k: v for k, v in info["leftovers"].items() if v}
     if left:
         print(f"\nleft over after the bench: {left}")
+    if info["not_supported"]:
+        print(f"\nnot supported by {mode['vmm']}: {info['not_supported']}")
     if info["failures"]:
         print(f"\nFAILED parts (their rows are missing): {info['failures']}")
     if problems:
@@ -947,12 +703,14 @@ def main() -> None:
                 "big_runs": args.big_runs,
                 "fork_runs": args.fork_runs,
                 "fork_count": args.fork_count,
+                "mode": mode,
                 "reflinks": reflinks,
                 "summary": summary,
                 "targets": met,
                 "idle": idle,
                 "memory": memory,
                 "failures": info["failures"],
+                "not_supported": info["not_supported"],
                 "fork_errors": info["fork_errors"],
                 "leftovers": info["leftovers"],
                 "server_log_problems": problems,

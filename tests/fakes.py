@@ -34,6 +34,7 @@ from agentenv.orchestrator.views import SandboxView
 from agentenv.snapshots.layout import MachineSnapshot, write_manifest
 from agentenv.storage.images import create_overlay
 from agentenv.vmm.base import (
+    DiskCapture,
     MachineSpec,
     SnapshotFiles,
     SnapshotIncompatible,
@@ -52,6 +53,8 @@ FAKE_DRIVER = "fake"
 # finds there (pid file, control socket) to re-adopt the process after a server restart.
 VMM_RECORD = "fake-vmm.json"
 STATE_FILE = "state.fake"
+# The RAM image a save writes with ``FakeDriver.ram_image_in_save``.
+RAM_IMAGE_FILE = "memory.fake"
 MIB = 1024 * 1024
 
 _pids = itertools.count(40000)
@@ -116,21 +119,28 @@ class FakeVM(VirtualMachine):
 
     async def save_state(self, dest: Path) -> SnapshotFiles:
         """Like QEMU's: a state file in ``dest``; with shared RAM the memory file is the
-        VM's own (not copied), with private RAM the RAM is "in the stream". Leaves the VM
-        paused; on failure nothing in ``dest`` and the VM as it was."""
+        VM's own (not copied), with private RAM the RAM is "in the stream" (or, with the
+        driver's ``ram_image_in_save``, as Firecracker's: a RAM image written into
+        ``dest``). Leaves the VM paused; on failure nothing in ``dest`` and the VM as it
+        was."""
         self._alive_record()
         self.driver.consume("save_state")
         state_file = dest / STATE_FILE
+        image = self.driver.ram_image_in_save and not self.spec.memory_shared
         _write_json(
             state_file,
-            {"pid": self._pid, "ram_in_stream": not self.spec.memory_shared},
+            {"pid": self._pid, "ram_in_stream": not (self.spec.memory_shared or image)},
         )
+        memory: Path | None = self.spec.memory_file if self.spec.memory_shared else None
+        if image:
+            memory = dest / RAM_IMAGE_FILE
+            memory.write_bytes(f"RAM of fake VMM {self._pid}".encode())
         self._set(state=VMRunState.PAUSED.value)
         return SnapshotFiles(
             driver=FAKE_DRIVER,
             accel=self.spec.accel,
             state_file=state_file,
-            memory_file=self.spec.memory_file if self.spec.memory_shared else None,
+            memory_file=memory,
             shape=self.spec.shape(),
             meta={"reports_free_pages": self.spec.report_free_pages},
         )
@@ -186,11 +196,14 @@ class FakeDriver(VMMDriver):
     this driver's handles (as a real VMM's pidfd reports it)."""
 
     name = FAKE_DRIVER
-    disk_formats = ("raw", "qcow2")
+    disk_formats: tuple[str, ...] = ("raw", "qcow2")
     shared_memory_boot = True
     accelerators: tuple[Literal["tcg", "kvm"], ...] = ("tcg", "kvm")
-    seals_drives = True
+    disk_capture = DiskCapture.SEAL
     publishes_paused_state = True
+    # Whether a save of a machine with private RAM writes a RAM image (Firecracker's
+    # way) rather than streaming RAM into the state file (QEMU's).
+    ram_image_in_save = False
 
     def __init__(self) -> None:
         self._failures: dict[str, list[BaseException]] = defaultdict(list)
@@ -303,6 +316,19 @@ class FakeDriver(VMMDriver):
         if not data.get("alive"):
             raise VMMGone(f"the fake VMM in {workdir} has exited")
         return FakeVM(self, workdir, MachineSpec.from_dict(data["spec"]), int(data["pid"]))
+
+
+class FakeRawDriver(FakeDriver):
+    """A :class:`FakeDriver` with Firecracker's capabilities: raw disks only, RAM never in
+    a shared file (a save writes a RAM image, a restore maps it privately), a running
+    disk captured by copying it (:attr:`DiskCapture.COPY`), nothing of a pause
+    published."""
+
+    disk_formats = ("raw",)
+    shared_memory_boot = False
+    disk_capture = DiskCapture.COPY
+    publishes_paused_state = False
+    ram_image_in_save = True
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

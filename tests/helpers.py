@@ -113,7 +113,9 @@ class ServerProcess:
         does not answer yet."""
         assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + limit
-        with httpx.Client(timeout=request_timeout, verify=self.verify) as client:
+        with httpx.Client(
+            timeout=request_timeout, verify=self.verify, headers={"X-API-Key": self.api_key}
+        ) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited early:\n{self.log_tail()}")
@@ -147,6 +149,14 @@ class ServerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def netns_names(self) -> set[str]:
+        """The network namespaces of this server's sandboxes (others' servers, say a
+        benchmark's on the same machine, come and go meanwhile)."""
+        from agentenv.config import Config
+
+        prefix = f"ae{Config.load(env={}, home=self.home).instance_tag}-"
+        return {name for name in netns_names() if name.startswith(prefix)}
 
     def client(self) -> httpx.Client:
         return httpx.Client(

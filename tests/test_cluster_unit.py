@@ -16,9 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from agentenv import __version__
 from agentenv.api.listing import Order, decode_token
 from agentenv.cluster.discovery import EndpointSliceDiscovery, StaticDiscovery, open_discovery
 from agentenv.cluster.gateway import Gateway
@@ -232,6 +233,8 @@ class FakeNodes:
         # Nodes that run another mode than template "saved-elsewhere" and sandbox
         # "ipsaved-elsewhere" were saved under: they refuse both as a node does.
         self.other_mode: set[str] = set()
+        # (node, sandbox): the node does not hold the sandbox, and its proxy says so.
+        self.gone: set[tuple[str, str]] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
@@ -259,7 +262,10 @@ class FakeNodes:
             adoptable = node == "b" and path.split("/")[-2].startswith("ip")
             return answer(201, {"node": node}) if adoptable else answer(404, {"code": 404})
         if path == "/health":
-            health = {"status": "ok", "version": "0.1.0", "vmm": "qemu", "accel": "tcg"}
+            health = {"status": "ok", "version": "0.1.0"}
+            if request.headers.get("x-api-key") != KEY:
+                return answer(200, health)  # what a node tells a caller without the key
+            health |= {"vmm": "qemu", "accel": "tcg"}
             return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
@@ -268,6 +274,9 @@ class FakeNodes:
             return httpx.Response(
                 200, headers=[*cookies, ("content-length", "2")], stream=_Body(b"ok")
             )
+        sandbox = request.headers.get("e2b-sandbox-id", "")
+        if (node, sandbox) in self.gone:
+            return answer(502, {"code": 502, "message": f"The sandbox {sandbox} was not found"})
         # Sandbox traffic reaches the node as it came: routing headers and Host kept.
         if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
             return answer(200, b"from " + node.encode())
@@ -515,13 +524,20 @@ async def test_gateway_health_is_a_node_health_for_the_cluster(
     client, _, reg = gateway
     await reg.heartbeat(report("a", sandboxes=["i1", "i2"]))
     await reg.heartbeat(report("b", sandboxes=["i3"]))
-    health = HEALTH.validate_python((await client.get("/health")).json())  # what aenv reads
+    auth = {"X-API-Key": KEY}
+    answer = await client.get("/health", headers=auth)
+    health = HEALTH.validate_python(answer.json())  # what aenv reads
     assert health.status == "ok" and health.sandboxes == 3 and health.vmm == "qemu"
+    # Without the key only that it is up; with a wrong one, refused.
+    assert (await client.get("/health")).json() == {"status": "ok", "version": __version__}
+    assert (await client.get("/health", headers={"X-API-Key": "nope"})).status_code == 401
     reg.clock.now += 60  # type: ignore[attr-defined]
     await reg.heartbeat(report("b"))
     await reg.newly_down()
-    degraded = (await client.get("/health")).json()
+    degraded = (await client.get("/health", headers=auth)).json()
     assert degraded["status"] == "degraded" and degraded["detail"] == "nodes down: a"
+    anonymous = (await client.get("/health")).json()
+    assert anonymous == {"status": "degraded", "version": __version__}
 
 
 async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
@@ -539,6 +555,31 @@ async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
     assert (await client.get("/files", headers=traffic)).status_code == 503
     await reg.bind("i1", "a")
     assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
+
+
+async def test_a_stale_route_goes_on_to_the_sandboxs_new_node(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    """Another gateway resumed the sandbox on another node within this one's route
+    cache: the old node's proxy answers 502, and the request goes to the new owner."""
+    client, nodes, reg = gateway
+    traffic = {"E2b-Sandbox-Id": "i1"}
+    await reg.bind("i1", "a")
+    assert (await client.get("/files", headers=traffic)).text == "from a"
+    await reg.bind("i1", "b")
+    nodes.gone.add(("a", "i1"))
+    assert (await client.get("/files", headers=traffic)).text == "from b"
+    # A body cannot be sent twice: the stale answer stands, but the route is dropped.
+    await reg.bind("i1", "a")
+    nodes.gone = {("b", "i1")}
+    stale = await client.post("/files", headers=traffic, content=b"x")
+    assert stale.status_code == 502
+    assert (await client.post("/files", headers=traffic, content=b"x")).text == "from a"
+    # The owner's own 502 is its answer: nothing is sent twice.
+    nodes.gone = {("a", "i1")}
+    sent = len(nodes.requests)
+    assert (await client.get("/files", headers=traffic)).status_code == 502
+    assert nodes.requests[sent:] == [("a", "GET /files")]
 
 
 async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
@@ -590,9 +631,42 @@ def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
                 traffic = {"E2b-Sandbox-Id": "istream"}
                 with client.stream("GET", "/process", headers=traffic) as answer:
                     assert answer.status_code == 200
-                    assert next(answer.iter_raw()) == b"first"
-                    assert not ended.is_set()
+                    # Held: an iterator dropped after its first chunk closes the response
+                    # (and the connection) as it is collected.
+                    chunks = answer.iter_raw()
+                    assert next(chunks) == b"first"
+                    assert not ended.wait(0.5)
             assert ended.wait(60)  # the client's connection closed with the block
+
+
+def test_answers_through_the_gateway_carry_one_date() -> None:
+    """The node's uvicorn and the gateway's both date their answers: a relayed answer (a
+    sandbox's traffic, streamed, or a control route, replayed) keeps only the gateway's."""
+
+    async def dated(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok", headers={"x-node": "a"})
+
+    with ServedApp(Starlette(routes=[Route("/{path:path}", dated)])) as node:
+        reg = registry(Clock())
+        scheduler = SchedulerClient(
+            "http://scheduler.test",
+            KEY,
+            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
+        )
+
+        async def register() -> None:
+            await reg.heartbeat(report("a", url=node.url))
+            await reg.bind("idated", "a")
+
+        asyncio.run(register())
+        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+            with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
+                for answer in (
+                    client.get("/health", headers={"E2b-Sandbox-Id": "idated"}),
+                    client.get("/sandboxes/idated", headers={"X-API-Key": KEY}),
+                ):
+                    assert answer.headers["x-node"] == "a", answer.url
+                    assert len(answer.headers.get_list("date")) == 1, answer.url
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------

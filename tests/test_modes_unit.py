@@ -10,7 +10,6 @@ import asyncio
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 from e2b.api import handle_api_exception
 from e2b.exceptions import SandboxException
@@ -202,11 +201,8 @@ async def test_the_api_answers_409_naming_both_modes_and_health_says_why(
             assert connected.status_code == 409, connected.text
             assert "fake/kvm" in connected.json()["message"]
 
-        # /health needs no key, and says the mode and why.
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://api.test"
-        ) as anonymous:
-            health = await anonymous.get("/health")
+            # /health says the mode and why.
+            health = await client.get("/health")
         assert health.status_code == 200
         data = health.json()
         assert (data["vmm"], data["accel"], data["mode"]) == ("fake", "tcg", "fake/tcg")

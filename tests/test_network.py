@@ -467,7 +467,7 @@ async def internet(manager: NetworkManager, monkeypatch: pytest.MonkeyPatch) -> 
     """The fake internet's namespace; the manager sends sandboxes' traffic into it."""
     with _host_ip_forward_preserved():
         uplink, far = await asyncio.to_thread(_build_fake_internet, manager.prefix)
-        monkeypatch.setattr("agentenv.network.manager._default_interface", lambda: uplink)
+        monkeypatch.setattr("agentenv.network.uplink.default_interface", lambda: uplink)
         yield far
 
 

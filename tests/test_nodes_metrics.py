@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentenv import __version__
 from agentenv.api.app import create_app
 from agentenv.api.nodes import NodeBook
 from agentenv.cluster.gateway import Gateway
@@ -73,6 +74,27 @@ async def test_nodes_describe_this_node_as_e2b_does(api: httpx.AsyncClient, node
     assert (await api.get("/nodes/node-z")).status_code == 404
     async with httpx.AsyncClient(transport=api._transport, base_url="http://api.test") as bare:
         assert (await bare.get("/nodes")).status_code == 401
+
+
+async def test_health_tells_a_caller_without_the_key_only_that_the_node_is_up(
+    api: httpx.AsyncClient,
+) -> None:
+    """A probe needs no key; a stranger learns no template, sandbox count, path or
+    capacity from it. The key gets the whole status; a wrong key is refused."""
+    created = await api.post("/v2/sandboxes", json={"templateID": FAKE_TEMPLATE})
+    assert created.status_code == 201, created.text
+    async with httpx.AsyncClient(transport=api._transport, base_url="http://api.test") as bare:
+        anonymous = await bare.get("/health")
+        assert anonymous.status_code == 200
+        assert anonymous.json() == {"status": "ok", "version": __version__}
+        for wrong in ({"X-API-Key": "nope"}, {"Authorization": "Bearer nope"}):
+            refused = await bare.get("/health", headers=wrong)
+            assert refused.status_code == 401 and refused.json()["code"] == 401
+        bearer = await bare.get("/health", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert bearer.json()["sandboxes"] == 1
+    full = (await api.get("/health")).json()
+    assert full["sandboxes"] == 1 and FAKE_TEMPLATE in full["templates"]
+    assert full["repository"] and full["vmm"]
 
 
 async def test_metrics_need_the_key_and_count_what_the_node_did(api: httpx.AsyncClient) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -888,3 +889,24 @@ async def test_restart_finishes_an_envd_init_the_last_server_did_not(
         assert len(node.envd.inits(done.guest_address)) == 1
     finally:
         await after.stop()
+
+
+async def test_a_store_error_after_envd_init_does_not_refuse_the_sandbox(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recording that envd's /init is done is bookkeeping: a store that fails then (a
+    full disk) leaves the /init owed in the record, for a restart to run again, but the
+    sandbox, whose envd has its token, serves."""
+    store = node.orchestrator.store
+    real_update = store.update_sandbox
+
+    def failing_update(sandbox_id: str, **changes: Any) -> None:
+        if "envd_pending" in changes and changes["envd_pending"] is None:
+            raise sqlite3.OperationalError("database or disk is full")
+        real_update(sandbox_id, **changes)
+
+    monkeypatch.setattr(store, "update_sandbox", failing_update)
+    view = await node.orchestrator.create(FAKE_TEMPLATE, secure=True, envd_in_background=True)
+    ready = await node.orchestrator.ready_for_traffic(view.sandbox_id)
+    assert ready.record.sandbox_id == view.sandbox_id
+    assert record(node, view.sandbox_id).envd_pending == "start"

@@ -12,7 +12,7 @@ import pytest
 from agentenv.storage.clone import supports_reflink
 from agentenv.storage.extents import unshared_bytes
 from tests.e2b.support import sdk_client, wait_until
-from tests.helpers import COUNTER, ServerProcess, live_server, netns_names, run_command, vmm_pids
+from tests.helpers import COUNTER, ServerProcess, live_server, run_command, vmm_pids
 
 pytestmark = pytest.mark.vm
 
@@ -26,7 +26,7 @@ def test_pause_resume_keeps_files_and_processes(server: ServerProcess) -> None:
             pid = int(run_command(server.url, sandbox_id, COUNTER).stdout)
             time.sleep(1)
             before = int(run_command(server.url, sandbox_id, "cat /dev/shm/counter").stdout)
-            namespaces = netns_names()
+            namespaces = server.netns_names()
 
             assert c.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
             assert c.get(f"/sandboxes/{sandbox_id}").json()["state"] == "paused"
@@ -34,7 +34,7 @@ def test_pause_resume_keeps_files_and_processes(server: ServerProcess) -> None:
             assert sandbox_id in [s["sandboxID"] for s in paused]
             # CPU and memory are released at once, the network after a short linger.
             assert vmm_pids(f"/sandboxes/{sandbox_id}/") == []
-            wait_until(lambda: len(namespaces - netns_names()) == 1, "network released")
+            wait_until(lambda: len(namespaces - server.netns_names()) == 1, "network released")
             refused = httpx.get(
                 f"{server.url}/health", headers={"E2b-Sandbox-Id": sandbox_id}, trust_env=False
             )
@@ -102,9 +102,12 @@ def test_auto_pause_at_timeout(server: ServerProcess) -> None:
     """``autoPause`` (the SDK's ``lifecycle={"on_timeout": "pause"}``) pauses instead of
     killing when the timeout passes; the sandbox then waits for a connect."""
     e2b = sdk_client(server)
-    sbx = e2b.Sandbox.create(timeout=2, lifecycle={"on_timeout": "pause"})
+    # Written before the short timeout is set: on a loaded machine the write alone can
+    # take longer than the 2 s.
+    sbx = e2b.Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause"})
     try:
         sbx.files.write("/home/user/kept.txt", "still here")
+        sbx.set_timeout(2)
         with server.client() as c:
             assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["lifecycle"] == {
                 "autoResume": False,

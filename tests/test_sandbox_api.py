@@ -15,7 +15,6 @@ from tests.helpers import (
     create_sandbox,
     create_sandbox_id,
     live_server,
-    netns_names,
     run_command,
     vmm_pids,
 )
@@ -40,8 +39,14 @@ def wait_gone(c: httpx.Client, home: Path, sandbox_id: str, limit: float = 60.0)
 
 
 # -- auth and bad input ---------------------------------------------------------------------
-def test_health_needs_no_key(server: ServerProcess) -> None:
-    response = httpx.get(f"{server.url}/health", trust_env=False)
+def test_health_without_a_key_says_only_that_the_node_is_up(server: ServerProcess) -> None:
+    anonymous = httpx.get(f"{server.url}/health", trust_env=False)
+    assert anonymous.status_code == 200
+    assert set(anonymous.json()) == {"status", "version"}
+    wrong = httpx.get(f"{server.url}/health", headers={"X-API-Key": "e2b_wrong"}, trust_env=False)
+    assert wrong.status_code == 401
+    with server.client() as c:
+        response = c.get("/health")
     assert response.status_code == 200
     health = response.json()
     assert health["templates"]["base"] == "ready"
@@ -49,7 +54,7 @@ def test_health_needs_no_key(server: ServerProcess) -> None:
     assert health["mode"] == f"{health['vmm']}/{health['accel']}"
     reason = health["modeReason"]
     assert reason.startswith("vmm=") and "; accel=" in reason, reason
-    # Nothing a caller without the key should learn: no data directory, no key.
+    # Not even with the key: no data directory, no key.
     assert server.home.as_posix() not in reason
     assert server.api_key not in response.text
 
@@ -185,11 +190,11 @@ def test_sandboxes_are_isolated(server: ServerProcess) -> None:
 
 def test_kill_releases_everything(server: ServerProcess) -> None:
     with server.client() as c:
-        before_ns = netns_names()
+        before_ns = server.netns_names()
         sandbox_id = create_sandbox_id(c, timeout=120)
         workdir = server.home / "sandboxes" / sandbox_id
         pids = vmm_pids(f"/sandboxes/{sandbox_id}/")
-        new_ns = netns_names() - before_ns
+        new_ns = server.netns_names() - before_ns
         assert len(pids) == 1
         assert len(new_ns) == 1
         assert workdir.is_dir()
@@ -203,7 +208,7 @@ def test_kill_releases_everything(server: ServerProcess) -> None:
         assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 404
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
-        assert not (netns_names() & new_ns)
+        assert not (server.netns_names() & new_ns)
         assert not workdir.exists()
         # The veth pair goes in the background (the kernel takes 10-20 ms of RCU grace
         # periods to delete it; the kill does not wait for that), but it does go.
@@ -305,7 +310,7 @@ def test_failed_create_leaves_nothing(server: ServerProcess) -> None:
         # `used` (none of this session's other tests leave sandboxes behind).
         blocker_ip = str(subnet.network_address + 4 * used + 1)
         before_dirs = set((server.home / "sandboxes").iterdir())
-        before_ns = netns_names()
+        before_ns = server.netns_names()
         with IPRoute() as ipr:
             ipr.link("add", ifname="aeblock0", kind="veth", peer="aeblock1")
             index = ipr.link_lookup(ifname="aeblock0")[0]
@@ -318,7 +323,7 @@ def test_failed_create_leaves_nothing(server: ServerProcess) -> None:
         assert "in use" in failed.json()["message"]
         assert len(c.get("/sandboxes").json()) == used
         assert set((server.home / "sandboxes").iterdir()) == before_dirs
-        assert netns_names() == before_ns
+        assert server.netns_names() == before_ns
         # The slot is free again and the next create succeeds.
         ok = c.post("/sandboxes", json={"templateID": "base"})
         assert ok.status_code == 201

@@ -17,7 +17,6 @@ from tests.helpers import (
     COUNTER,
     ServerProcess,
     create_sandbox_id,
-    netns_names,
     run_command,
     vmm_pids,
 )
@@ -236,7 +235,7 @@ def test_concurrent_pause_kill_connect_end_consistent(server: ServerProcess) -> 
     with server.client() as c:
         for _ in range(3):
             sandbox_id = create_sandbox_id(c, timeout=300)
-            namespaces = netns_names()
+            namespaces = server.netns_names()
             calls = [
                 ("post", f"/sandboxes/{sandbox_id}/pause"),
                 ("post", f"/sandboxes/{sandbox_id}/connect"),
@@ -253,7 +252,7 @@ def test_concurrent_pause_kill_connect_end_consistent(server: ServerProcess) -> 
             assert c.get(f"/sandboxes/{sandbox_id}").status_code == 404
             assert vmm_pids(f"/sandboxes/{sandbox_id}/") == []
             assert not (server.home / "sandboxes" / sandbox_id).exists()
-            assert netns_names() <= namespaces
+            assert server.netns_names() <= namespaces
 
 
 def test_auto_resume_on_traffic(server: ServerProcess) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.vmm.base import (
+    DiskCapture,
     DriveSpec,
     MachineSpec,
     NetSpec,
@@ -109,7 +110,7 @@ def test_capabilities() -> None:
     assert FirecrackerDriver.disk_formats == ("raw",)
     assert FirecrackerDriver.accelerators == ("kvm",)
     assert not FirecrackerDriver.shared_memory_boot
-    assert not FirecrackerDriver.seals_drives
+    assert FirecrackerDriver.disk_capture is DiskCapture.COPY
     assert not FirecrackerDriver.publishes_paused_state
 
 

@@ -24,6 +24,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ import pytest_asyncio
 
 from agentenv.vmm.accel import AcceleratorUnavailable, probe_accelerator, resolve_accelerator
 from agentenv.vmm.base import (
+    DiskCapture,
     DriveSpec,
     MachineSpec,
     NetSpec,
@@ -161,7 +163,7 @@ def test_capabilities() -> None:
     assert QemuDriver.disk_formats == ("raw", "qcow2")
     assert set(QemuDriver.accelerators) == {"tcg", "kvm"}
     assert QemuDriver.shared_memory_boot
-    assert QemuDriver.seals_drives
+    assert QemuDriver.disk_capture is DiskCapture.SEAL
     assert QemuDriver.publishes_paused_state
 
 
@@ -1023,6 +1025,48 @@ async def test_boot_in_network_namespace(
         if vm is not None:
             await vm.kill()
         _run("ip", "netns", "delete", netns)
+
+
+async def test_a_vmm_started_where_one_was_killed_waits_for_its_jail_to_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed VMM's jail tree and cgroup go in the background (its cgroup stays busy
+    for a moment); a VMM started in the same directory reuses both names, so it waits
+    for that removal, and only that one."""
+    data = tmp_path / "data"
+    files = data / "templates" / "t"
+    files.mkdir(parents=True)
+    workdir = data / "sandboxes" / "s1"
+    workdir.mkdir(parents=True)
+    confinement = Confinement(
+        data_dir=data,
+        id_base=2_000_000_000,
+        device_gid=1_999_999_999,
+        cgroups=VmmCgroups(2, "agentenv-test", (tmp_path,), ("memory", "cpu", "pids")),
+        memory_overhead_mib=256,
+        pids_max=512,
+    )
+    jail = VmmJail(confinement, 2_000_000_001, workdir)
+    jail.build(_plain_spec(files, memory_file=workdir / "ram"))
+    removing, go_on = threading.Event(), threading.Event()
+    real_cleanup = VmmJail.cleanup
+
+    def held_cleanup(self: VmmJail, wait_s: float = 0.5) -> None:
+        removing.set()
+        go_on.wait(30)
+        real_cleanup(self, 0)
+
+    monkeypatch.setattr(VmmJail, "cleanup", held_cleanup)
+    confinement.release_later(jail)
+    waiting = asyncio.ensure_future(confinement.released(workdir))
+    assert await asyncio.to_thread(removing.wait, 30)
+    await asyncio.sleep(0.1)
+    assert not waiting.done() and jail.root.exists()
+    await asyncio.wait_for(confinement.released(data / "sandboxes" / "s2"), 5)
+    go_on.set()
+    await asyncio.wait_for(waiting, 30)
+    assert not jail.root.exists()
+    await asyncio.wait_for(confinement.released(workdir), 5)  # nothing left to wait for
 
 
 def test_jail_tree_is_traversable_under_the_servers_umask(tmp_path: Path) -> None:

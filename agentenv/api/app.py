@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Query, Response
 
@@ -41,6 +41,7 @@ from agentenv.api.models import (
     NodeCacheInfo,
     NodeDiskInfo,
     PauseRequest,
+    PublicHealth,
     RefreshRequest,
     Sandbox,
     SandboxDetail,
@@ -228,11 +229,20 @@ def create_app(
     app.include_router(listing_routes(orchestrator, authed, detail_body, snapshot_body))
 
     # -- routes --------------------------------------------------------------------------
-    @app.get("/health", response_model=Health, tags=["node"])
-    async def health() -> Health:
+    @app.get("/health", response_model=Health | PublicHealth, tags=["node"])
+    async def health(
+        x_api_key: Annotated[str | None, Header()] = None,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> Health | PublicHealth:
+        """Without a key, only whether the node is up (probes send none); with the key,
+        what it runs and holds. A wrong key is refused like everywhere else."""
         node = orchestrator.node_status()
+        status: Literal["ok", "degraded"] = "degraded" if node.problem else "ok"
+        if x_api_key is None and not authorization:
+            return PublicHealth(status=status, version=__version__)
+        await require_api_key(x_api_key, authorization)
         return Health(
-            status="degraded" if node.problem else "ok",
+            status=status,
             version=__version__,
             vmm=node.vmm,
             accel=node.accel,

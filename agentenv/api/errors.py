@@ -6,16 +6,13 @@ OpenAPI document."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
-import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentenv.api.models import ErrorBody
 from agentenv.orchestrator.errors import ErrorCode, OrchestratorError
@@ -150,25 +147,3 @@ def install_error_handlers(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-class JsonErrorsH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol (``uvicorn.run(http=...)``), answering a request it
-    cannot parse (a malformed request line, target or header, refused before the app
-    sees it) with the API's JSON error rather than uvicorn's plain text, so that every
-    answer of the API is JSON."""
-
-    def send_400_response(self, msg: str) -> None:
-        body = json.dumps({"code": 400, "message": msg}).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        for event in (
-            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-            h11.Data(data=body),
-            h11.EndOfMessage(),
-        ):
-            self.transport.write(self.conn.send(event) or b"")
-        self.transport.close()

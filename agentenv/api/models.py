@@ -402,7 +402,17 @@ class NodeDiskInfo(BaseModel):
     floor_bytes: int = Field(alias="floorBytes")
 
 
+class PublicHealth(BaseModel):
+    """``GET /health`` without an API key (load balancers' and Kubernetes' probes): that
+    the node answers, and nothing a stranger could learn the node's contents from."""
+
+    status: Literal["ok", "degraded"]
+    version: str
+
+
 class Health(BaseModel):
+    """``GET /health`` with the API key: what the node runs and holds."""
+
     status: Literal["ok", "degraded"]
     version: str
     vmm: str

@@ -97,9 +97,9 @@ def show_auth(fmt: OutputFormat) -> None:
     problem: CliError | None = None
     status = "ok"
     try:
-        with control_plane(need_key=False, settings=current) as cp:
+        current.require_api_key()
+        with control_plane(settings=current) as cp:
             health = cp.health()
-            current.require_api_key()
             cp.check_key()
         status = f"ok (agentenv {health.version}, {health.vmm}/{health.accel})"
     except CliError as exc:

@@ -83,9 +83,9 @@ def server(
 
 @app.command()
 def health(output: Output = None) -> None:
-    """Show the server's health: VMM, accelerator, templates (needs no API key)."""
+    """Show the server's health: VMM, accelerator, templates."""
     fmt = use_output(output)
-    with control_plane(need_key=False) as cp:
+    with control_plane() as cp:
         status = cp.health()
     if fmt is OutputFormat.JSON:
         print_json(as_sent(status))

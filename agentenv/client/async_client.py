@@ -113,7 +113,9 @@ class AsyncAgentEnv:
 
     # -- node --------------------------------------------------------------------------------
     async def health(self) -> Health:
-        """The node's status: VMM, accelerator, templates, sandbox count (no key needed)."""
+        """The node's status: VMM, accelerator, templates, sandbox count. Needs the API
+        key: without one a node tells no more than that it is up."""
+        wire.require_key(self.connection, "the node's health")
         return wire.decode(wire.HEALTH, await self._request("GET", "/health"))
 
     # -- sandboxes ---------------------------------------------------------------------------

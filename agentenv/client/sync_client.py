@@ -121,7 +121,9 @@ class AgentEnv:
 
     # -- node --------------------------------------------------------------------------------
     def health(self) -> Health:
-        """The node's status: VMM, accelerator, templates, sandbox count (no key needed)."""
+        """The node's status: VMM, accelerator, templates, sandbox count. Needs the API
+        key: without one a node tells no more than that it is up."""
+        wire.require_key(self.connection, "the node's health")
         return wire.decode(wire.HEALTH, self._request("GET", "/health"))
 
     # -- sandboxes ---------------------------------------------------------------------------

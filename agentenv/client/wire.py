@@ -21,7 +21,7 @@ from agentenv.api.models import (
 )
 from agentenv.api.models import Sandbox as SandboxBody
 from agentenv.client.connection import Connection, SandboxT
-from agentenv.client.errors import AgentEnvError, error_for
+from agentenv.client.errors import AgentEnvError, AuthError, error_for
 from agentenv.limits import MAX_FORK_CHILDREN, MAX_REFRESH_DURATION_S
 
 # Forks and snapshots stop and copy VMs; under TCG a fork of MAX_FORK_CHILDREN takes tens
@@ -255,3 +255,9 @@ def fork_children(
 def lineage_of(detail: SandboxDetail) -> Lineage:
     # A server predating lineage reports none; the sandbox then has only its source.
     return detail.lineage or Lineage(sourceID=detail.template_id)
+
+
+def require_key(connection: Connection, what: str) -> None:
+    """:class:`AuthError` before anything is sent when ``connection`` has no API key."""
+    if not connection.api_key:
+        raise AuthError(None, f"{what} needs an API key (AENV_API_KEY or E2B_API_KEY)")

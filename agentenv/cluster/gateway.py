@@ -50,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agentenv import __version__
 from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
 from agentenv.cluster.answers import field_of, fork_children, read_bounded
 from agentenv.cluster.listing import (
@@ -76,7 +77,7 @@ from agentenv.cluster.traffic import (
     send_to_node,
 )
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
-from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches
+from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches, presented_key
 from agentenv.proxy.forward import ProxyTarget, target_of
 from agentenv.proxy.relay import (
     Refusal,
@@ -124,7 +125,8 @@ class Gateway:
         # Sandbox traffic (every envd call) would otherwise ask the scheduler each time.
         # Only up owners are kept, for `route_cache_s`; what this gateway itself changes
         # (kill, connect elsewhere) drops its entry, another gateway's change is seen
-        # within that time, and a node that stops answering is a 503 either way.
+        # within that time or at once when the old node says it no longer holds the
+        # sandbox (see _traffic), and a node that stops answering is a 503 either way.
         self.route_cache_s = route_cache_s
         self._routes: dict[str, tuple[float, NodeInfo]] = {}
         self.registry = CollectorRegistry()
@@ -214,18 +216,19 @@ class Gateway:
             raise NodeUnavailable(binding.node_id, "stopped heartbeating", sandbox_id)
         return binding.node
 
-    async def _traffic_owner(self, sandbox_id: str) -> NodeInfo | None:
-        """:meth:`_owner`, from the route cache when it is fresh."""
+    async def _traffic_owner(self, sandbox_id: str) -> tuple[NodeInfo | None, bool]:
+        """:meth:`_owner`, from the route cache when it is fresh; and whether it came
+        from the cache."""
         now = time.monotonic()
         cached = self._routes.get(sandbox_id)
         if cached is not None and cached[0] > now:
-            return cached[1]
+            return cached[1], True
         node = await self._owner(sandbox_id)
         if len(self._routes) > 100_000:
             self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
         if node is not None and self.route_cache_s > 0:
             self._routes[sandbox_id] = (now + self.route_cache_s, node)
-        return node
+        return node, False
 
     async def _up_nodes(self) -> list[NodeInfo]:
         return [n for n in await self.scheduler.nodes() if n.state is NodeState.UP]
@@ -243,7 +246,7 @@ class Gateway:
     ) -> ASGIApp:
         """A sandbox's traffic, relayed to its node's proxy."""
         scope["aenv.route"] = "sandbox-traffic"
-        node = await self._traffic_owner(target.sandbox_id)
+        node, cached = await self._traffic_owner(target.sandbox_id)
         if node is None:
             # What a node's proxy answers for an unknown sandbox (E2B's edge too).
             return _error(502, f"The sandbox {target.sandbox_id} was not found")
@@ -252,6 +255,18 @@ class Gateway:
             content = Request(scope, receive).stream()
         try:
             upstream = await self._send_raw(scope, headers, node, content)
+            if cached and upstream.status_code == 502:
+                # What a node's proxy answers for a sandbox it does not hold: the cached
+                # route may be stale (another gateway resumed the sandbox elsewhere).
+                # Dropped either way; a request without a body goes again to the owner
+                # the scheduler names now, when that is another node (the owner's own
+                # 502, say from the app, is its answer).
+                self._routes.pop(target.sandbox_id, None)
+                fresh, _ = await self._traffic_owner(target.sandbox_id)
+                if content is None and fresh is not None and fresh.node_id != node.node_id:
+                    await upstream.aclose()
+                    node = fresh
+                    upstream = await self._send_raw(scope, headers, node, None)
         except NodeUnavailable as exc:
             self._routes.pop(target.sandbox_id, None)
             raise NodeUnavailable(exc.node_id, exc.reason, target.sandbox_id) from exc
@@ -269,7 +284,7 @@ class Gateway:
                 else await self._relay(request, found)
             )
         if path == "/health":
-            return await self._health()
+            return await self._health(request.headers)
         if path == "/nodes" or path.startswith("/nodes/"):
             return await self._nodes(request)
         if path in _LISTING and request.method == "GET":
@@ -530,24 +545,34 @@ class Gateway:
                 log.info("GET /nodes/%s answered from its heartbeat: %s", node_id, exc)
         return JSONResponse(e2b_node_detail(node).model_dump(mode="json", by_alias=True))
 
-    async def _health(self) -> Response:
+    async def _health(self, headers: Headers) -> Response:
         """A node's ``/health`` (what ``aenv`` reads: version, VMM, templates), from the
         first up node, with the cluster's sandbox count; degraded, naming them, while
-        nodes are down. 503 when no node is up or the scheduler is unreachable."""
+        nodes are down. 503 when no node is up or the scheduler is unreachable. Without
+        an API key only ``status`` and ``version``, as a node answers; a wrong key is a
+        401."""
+        anonymous = presented_key(headers) is None
+        if not anonymous and not key_matches(headers, self.api_key):
+            return _error(401, "missing or invalid API key")
         nodes = await self.scheduler.nodes()
         up = [n for n in nodes if n.state is NodeState.UP]
         if not up:
             return _error(503, f"no node is up ({len(nodes)} known)")
+        down = [n.node_id for n in nodes if n.state is not NodeState.UP]
+        if anonymous:
+            status = "degraded" if down else "ok"
+            return JSONResponse({"status": status, "version": __version__})
         try:
-            answer = await self.http.get(up[0].report.url.rstrip("/") + "/health")
+            answer = await self.http.get(
+                up[0].report.url.rstrip("/") + "/health", headers={"X-API-Key": self.api_key}
+            )
             health = answer.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise NodeUnavailable(up[0].node_id, f"did not answer /health ({exc})") from exc
-        if not isinstance(health, dict):
-            raise NodeUnavailable(up[0].node_id, "answered /health with no object")
+        if not isinstance(health, dict) or "vmm" not in health:
+            raise NodeUnavailable(up[0].node_id, f"answered /health with {answer.status_code}")
         health["sandboxes"] = sum(len(n.report.sandboxes) for n in up)
         health["node"] = None
-        down = [n.node_id for n in nodes if n.state is not NodeState.UP]
         if down:
             health["status"] = "degraded"
             health["detail"] = f"nodes down: {', '.join(down)}"
@@ -563,7 +588,7 @@ class Gateway:
             await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
             return
         try:
-            node = await self._traffic_owner(target.sandbox_id)
+            node, _ = await self._traffic_owner(target.sandbox_id)
         except (NodeUnavailable, SchedulerUnavailable) as exc:
             await deny_websocket(send, Refusal(503, str(exc)))
             return
@@ -603,4 +628,6 @@ def _mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
 
 
 def _replay(upstream: httpx.Response, data: bytes) -> Response:
-    return Response(data, status_code=upstream.status_code, headers=response_headers(upstream))
+    # The node's Date is left out: uvicorn adds the gateway's.
+    headers = {k: v for k, v in response_headers(upstream).items() if k.lower() != "date"}
+    return Response(data, status_code=upstream.status_code, headers=headers)

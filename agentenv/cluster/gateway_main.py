@@ -11,6 +11,7 @@ import sys
 
 import uvicorn
 
+from agentenv.api.http_protocol import JsonErrorsHttpToolsProtocol
 from agentenv.cluster.gateway import DEFAULT_LISTEN, KEEP_ALIVE_S, Gateway
 from agentenv.cluster.scheduler_client import SchedulerClient
 from agentenv.cluster.tls import (
@@ -79,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
         h11_max_incomplete_event_size=1024 * 1024,
+        http=JsonErrorsHttpToolsProtocol,
+        loop="uvloop",
+        # A relayed answer carries the node's Server header; uvicorn would add its own.
+        # (Its Date header stays: the gateway's answers carry it, relayed ones included,
+        # whose node's Date is left out.)
+        server_header=False,
         ssl_certfile=args.tls_cert,
         ssl_keyfile=args.tls_key,
     )

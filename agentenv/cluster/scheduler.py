@@ -45,6 +45,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agentenv import __version__
+from agentenv.api.http_protocol import JsonErrorsHttpToolsProtocol
 from agentenv.cluster.discovery import Discovery, DiscoveryError, open_discovery
 from agentenv.cluster.models import (
     Binding,
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         host=host,
         port=int(port),
         log_level="warning",
+        http=JsonErrorsHttpToolsProtocol,
+        loop="uvloop",
         ssl_certfile=args.tls_cert,
         ssl_keyfile=args.tls_key,
     )

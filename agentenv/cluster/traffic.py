@@ -36,8 +36,9 @@ _TIMEOUTS = NODE_TIMEOUT.as_dict()
 # `{port}-{id}.{domain}` names as it would have without the gateway.
 NOT_FORWARDED = HOP_BY_HOP - {"host"}
 # What of a node's response head is not passed on. Its Content-Length is (see
-# relayed_headers).
-_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP - {"content-length"})
+# relayed_headers); its Date is not, the gateway's own uvicorn adds one (an answer with
+# two would otherwise go out).
+_NOT_RELAYED = frozenset(name.encode() for name in HOP_BY_HOP - {"content-length"} | {"date"})
 
 
 class NodeUnavailable(Exception):

@@ -13,7 +13,8 @@ is forwarded only as the sandbox's :class:`EgressPolicy` allows (chains ``egress
 ``intercept`` and ``guard``, see :mod:`agentenv.network.egress_rules`; the guest cannot
 touch rules in its namespace). When the policy may let anything out, a table
 ``agentenv_<prefix>`` in the root namespace masquerades it out of the default interface
-and keeps it away from the host's own services and from other sandboxes.
+and keeps it away from the host's own services and from other sandboxes
+(:mod:`agentenv.network.uplink`).
 
 Every resource carries the manager's prefix and the slot in its name, so leftovers of a
 crashed server can be found and removed (`NetworkManager.reclaim`) without touching
@@ -27,7 +28,6 @@ import concurrent.futures
 import contextlib
 import errno
 import ipaddress
-import json
 import logging
 import re
 import socket
@@ -56,8 +56,10 @@ from agentenv.network.egress_rules import (
     policy_chains,
     policy_update_script,
 )
-from agentenv.network.namespaces import call_in_namespace
+from agentenv.network.errors import NetworkError
+from agentenv.network.namespaces import call_in_namespace, enter_new_namespace
 from agentenv.network.policy import EgressPolicy
+from agentenv.network.uplink import NFT_TIMEOUT_S, HostUplinks, default_interface
 
 __all__ = ["NetworkError", "NetworkManager", "SandboxNetwork"]
 
@@ -71,16 +73,7 @@ _IFNAMSIZ = 15  # longest interface name the kernel accepts
 # No "h" in prefixes: host veths are <prefix>h<slot> and host rules match "<prefix>h*", which
 # must not also match the veths of another instance's prefix.
 _PREFIX_PATTERN = re.compile(r"[a-gi-z][a-gi-z0-9]{0,7}")
-_NFT_TIMEOUT = 10.0
 _TABLE_SLOT = -1  # stands for "no slot" where resources are listed with their slot
-
-# netns.create bind-mounts /run/netns onto itself the first time; two threads doing that at
-# once would stack two mounts, so creations within this process take turns.
-_namespace_creation_lock = threading.Lock()
-
-
-class NetworkError(Exception):
-    """A sandbox network could not be created, inspected or removed."""
 
 
 @dataclass(frozen=True)
@@ -137,15 +130,14 @@ class NetworkManager:
         self.prefix = prefix
         self.subnet = network
         self.max_slots = max_slots
-        self._host_table = f"agentenv_{prefix}"
         self._netns_name = re.compile(rf"{re.escape(prefix)}-(0|[1-9][0-9]*)")
         self._veth_name = re.compile(rf"{re.escape(prefix)}h(0|[1-9][0-9]*)")
-        self._chain_name = re.compile(r"slot(0|[1-9][0-9]*)")
         self._slot_locks: dict[int, asyncio.Lock] = {}
-        # Slots with a masquerade chain in the host table; None until read from the kernel.
-        self._internet_slots: set[int] | None = None
-        self._host_table_lock = asyncio.Lock()
-        self._warned_no_default_route = False
+        # The host table forwarding the traffic of sandboxes that may reach the internet.
+        self._uplinks = HostUplinks(prefix)
+        # The host address read creates are waiting to start (see _fresh_host_addresses).
+        self._pending_address_read: asyncio.Future[list[HostAddress]] | None = None
+        self._address_read_lock = asyncio.Lock()
         # Relays the connections of sandboxes whose policy has host-name rules.
         self.egress_filter = EgressFilter()
 
@@ -194,9 +186,10 @@ class NetworkManager:
         async with self._slot_lock(slot):
             try:
                 await self._destroy_slot(slot)
-                blocked = await _run_blocking(self._build_namespace, net, policy)
+                addresses = await self._fresh_host_addresses()
+                blocked = await _run_blocking(self._build_namespace, net, policy, addresses)
                 if needs_uplink(policy):
-                    await self._add_internet_access(slot, net)
+                    await self._uplinks.add(slot, str(self._slot_block(slot)))
                 if policy.needs_filter:
                     await self.egress_filter.serve(slot, net.netns, policy, blocked)
             except BaseException as exc:
@@ -227,14 +220,14 @@ class NetworkManager:
             # closed after they stop allowing it. Likewise the filter listens before the
             # namespace redirects to it, and stops after it no longer does.
             if needs_uplink(policy):
-                await self._add_internet_access(slot, net)
+                await self._uplinks.add(slot, str(self._slot_block(slot)))
             if policy.needs_filter:
                 await self.egress_filter.serve(slot, net.netns, policy, blocked)
             await _run_blocking(self._replace_policy_chains, net, policy, blocked)
             if not policy.needs_filter:
                 await self.egress_filter.stop(slot)
             if not needs_uplink(policy):
-                await self._remove_internet_access(slot)
+                await self._uplinks.remove(slot)
 
     async def destroy(self, slot: int) -> None:
         """Remove the namespace, veth and host rules of `slot`; absent parts are fine.
@@ -268,7 +261,7 @@ class NetworkManager:
         Meant for startup after a crash: `keep` holds the slots of sandboxes that are
         still alive. Returns the names of what was removed.
         """
-        self.warn_if_no_default_route(await asyncio.to_thread(_default_interface))
+        self.warn_if_no_default_route(await asyncio.to_thread(default_interface))
         found = await asyncio.to_thread(self._scan, True)
         removed: list[str] = []
         slots = {slot for _, slot in found if slot != _TABLE_SLOT}
@@ -279,14 +272,12 @@ class NetworkManager:
             else:
                 # Made by a run configured with more slots; remove by name.
                 await asyncio.to_thread(self._remove_by_name, names)
-                await self._remove_internet_access(slot)
+                await self._uplinks.remove(slot)
             removed.extend(names)
-        async with self._host_table_lock:
-            # A crash between creating the table and its first slot chain leaves it empty.
-            await self._delete_host_table_if_unused()
+        await self._uplinks.delete_table_if_unused()
         had_table = any(slot == _TABLE_SLOT for _, slot in found)
-        if had_table and not await asyncio.to_thread(self._host_table_exists):
-            removed.append(self._host_table)
+        if had_table and not await asyncio.to_thread(self._uplinks.table_exists):
+            removed.append(self._uplinks.table)
         return removed
 
     def resources(self) -> list[str]:
@@ -299,24 +290,41 @@ class NetworkManager:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _build_namespace(self, net: SandboxNetwork, policy: EgressPolicy) -> BlockedRanges:
+    async def _fresh_host_addresses(self) -> list[HostAddress]:
+        """The host's IPv4 addresses, read after this call: creates asking at once (a
+        fork's children) share one read, started after each of them asked. Decoding
+        the dump is most of a create's CPU on a host with many sandboxes, and each
+        create adds an address for the next to decode."""
+        pending = self._pending_address_read
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_host_addresses())
+            self._pending_address_read = pending
+        return await asyncio.shield(pending)
+
+    async def _read_host_addresses(self) -> list[HostAddress]:
+        async with self._address_read_lock:
+            # From here on a caller needs a read that starts later: the next one.
+            self._pending_address_read = None
+            return await asyncio.to_thread(_call_with_host_socket, _host_addresses)
+
+    def _build_namespace(
+        self, net: SandboxNetwork, policy: EgressPolicy, addresses: list[HostAddress]
+    ) -> BlockedRanges:
         """Create and configure the namespace and veth. Blocking; runs in its own thread.
 
-        The namespace side is configured from a thread that has entered the namespace
-        (setns is per thread), which saves forking a helper process for each netlink
-        socket, the tap ioctl and the nft run.
+        The namespace is made by, and configured from, a thread that moves into it (a
+        namespace is per thread), which saves forking a helper process to make it and
+        for each netlink socket, the tap ioctl and the nft run.
         """
-        with _namespace_creation_lock:
-            netns.create(net.netns)
         outcome: list[BaseException] = []
         built: list[BlockedRanges] = []
 
         def configure() -> None:
             try:
-                with IPRoute() as host:  # opened before setns, so it stays in our namespace
-                    netns.setns(net.netns, flags=0)
+                with IPRoute() as host:  # opened before the thread moves, so it stays here
+                    enter_new_namespace(net.netns)
                     with IPRoute() as inside:
-                        built.append(self._configure(host, inside, net, policy))
+                        built.append(self._configure(host, inside, net, policy, addresses))
             except BaseException as exc:
                 outcome.append(exc)
 
@@ -329,7 +337,12 @@ class NetworkManager:
         return built[0]
 
     def _configure(
-        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork, policy: EgressPolicy
+        self,
+        host: IPRoute,
+        inside: IPRoute,
+        net: SandboxNetwork,
+        policy: EgressPolicy,
+        addresses: list[HostAddress],
     ) -> BlockedRanges:
         # Runs with the calling thread inside the namespace: /proc/sys/net and child
         # processes see the namespace, `host` is still bound to the root namespace.
@@ -344,10 +357,11 @@ class NetworkManager:
         _write_sysctl("net/ipv4/icmp_ratelimit", "0")
         # nft takes longer to start than all the netlink work below; its rules match
         # interfaces by name, so it can load them while the interfaces are being made.
-        # The ruleset is written to it once the host's addresses have been read.
+        # The ruleset is written to it once the interfaces exist.
         nft = _NftRun()
         try:
-            host_networks = self._configure_links(host, inside, net)
+            host_networks = self._claim_host_addresses(addresses, net)
+            self._configure_links(host, inside, net)
         except BaseException:
             nft.abandon()
             raise
@@ -374,11 +388,11 @@ class NetworkManager:
             net.netns, lambda: _NftRun().finish(policy_update_script(policy, blocked))
         )
 
-    def _configure_links(
-        self, host: IPRoute, inside: IPRoute, net: SandboxNetwork
-    ) -> list[ipaddress.IPv4Network]:
-        """Make the veth and tap; returns the host's networks as they were before."""
-        host_networks = self._claim_host_addresses(host, net)
+    def _configure_links(self, host: IPRoute, inside: IPRoute, net: SandboxNetwork) -> None:
+        """Make the veth and tap. Runs in the thread that is inside the namespace:
+        interfaces there are looked up by ``if_nametoindex`` (an ioctl in the thread's
+        namespace), as a netlink lookup decodes the whole link in Python, a few times the
+        cost of setting it."""
         host.link(
             "add",
             ifname=net.host_veth,
@@ -389,7 +403,7 @@ class NetworkManager:
         host.addr("add", index=host_index, address=net.host_ip, prefixlen=30)
         host.link("set", index=host_index, state="up")
 
-        inside.link("set", index=_index(inside, "lo"), state="up")
+        inside.link("set", index=socket.if_nametoindex("lo"), state="up")
         inside.link(
             "add",
             ifname=net.tap,
@@ -397,39 +411,32 @@ class NetworkManager:
             mode="tap",
             ifr={"no_pi": True, "one_queue": False, "vnet_hdr": False, "multi_queue": False},
         )
-        tap_index = _index(inside, net.tap)
+        tap_index = socket.if_nametoindex(net.tap)
         # A fixed MAC: a restored guest still has the template's ARP entry for its
-        # gateway, and frames to any other MAC would be dropped by the tap.
-        inside.link("set", index=tap_index, address=GATEWAY_MAC)
+        # gateway, and frames to any other MAC would be dropped by the tap. The kernel
+        # sets the address before it brings the link up.
         inside.addr("add", index=tap_index, address=GUEST_GATEWAY, prefixlen=GUEST_PREFIX)
-        inside.link("set", index=tap_index, state="up")
-        veth_index = _index(inside, NAMESPACE_VETH)
+        inside.link("set", index=tap_index, address=GATEWAY_MAC, state="up")
+        veth_index = socket.if_nametoindex(NAMESPACE_VETH)
         inside.addr("add", index=veth_index, address=net.guest_address, prefixlen=30)
         inside.link("set", index=veth_index, state="up")
         inside.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
-        return host_networks
 
     def _claim_host_addresses(
-        self, host: IPRoute, net: SandboxNetwork
+        self, addresses: list[HostAddress], net: SandboxNetwork
     ) -> list[ipaddress.IPv4Network]:
         """Refuse a slot whose block is in use; returns the host's connected networks
-        (read in the same dump, for the blocked ranges)."""
+        (for the blocked ranges)."""
         # Two servers given overlapping subnets would route each other's sandboxes wrongly;
         # refuse instead of adding a second route to the same /30.
         block = self._slot_block(net.slot)
-        networks = []
-        for msg in host.addr("dump", family=2):
-            address = msg.get_attr("IFA_ADDRESS")
-            if not address:
-                continue
-            if ipaddress.IPv4Address(address) in block:
-                owner = msg.get("index")
+        for found in addresses:
+            if found.address in block:
                 raise NetworkError(
-                    f"{block} (slot {net.slot}) is already in use on interface index {owner}; "
-                    "does another agentenv server use an overlapping subnet?"
+                    f"{block} (slot {net.slot}) is already in use on interface index "
+                    f"{found.index}; does another agentenv server use an overlapping subnet?"
                 )
-            networks.append(ipaddress.IPv4Network(f"{address}/{msg['prefixlen']}", strict=False))
-        return networks
+        return [found.network for found in addresses]
 
     @staticmethod
     def _namespace_ruleset(
@@ -463,91 +470,10 @@ class NetworkManager:
             "}\n"
         )
 
-    # -- host-side internet access ------------------------------------------------------------
-
-    async def _add_internet_access(self, slot: int, net: SandboxNetwork) -> None:
-        async with self._host_table_lock:
-            slots = await self._known_internet_slots()
-            outbound = await asyncio.to_thread(_default_interface)
-            if outbound is None:
-                self.warn_if_no_default_route(outbound)
-            script = internet_access_rules(
-                self._host_table, f"{self.prefix}h*", str(self._slot_block(slot)), slot, outbound
-            )
-            slots.add(slot)  # before running: a partial failure must still be cleaned up
-            await _run_nft_async(script)
-            await asyncio.to_thread(_write_host_sysctl, "net/ipv4/ip_forward", "1")
-            log.debug("slot %d (%s) may reach the internet via %s", slot, net.netns, outbound)
-
     def warn_if_no_default_route(self, outbound: str | None) -> None:
-        """Say once per manager (at start-up, from :meth:`reclaim`) that sandboxes asking
-        for internet access will not get it: one missing route should not stop every
-        create, nor fill the log with one warning per create."""
-        if outbound is None and not self._warned_no_default_route:
-            self._warned_no_default_route = True
-            log.warning(
-                "the host has no IPv4 default route: sandboxes asking for internet access "
-                "start, but their egress fails as the host's does (network unreachable); "
-                "sandboxes started after a route is added get it"
-            )
-
-    async def _remove_internet_access(self, slot: int) -> None:
-        async with self._host_table_lock:
-            slots = await self._known_internet_slots()
-            if slot not in slots:
-                return
-            table = self._host_table
-            slots.discard(slot)
-            script = f"flush chain ip {table} slot{slot}\ndelete chain ip {table} slot{slot}\n"
-            if not slots:
-                # One transaction with the chain's removal: each nft run costs a process.
-                script += f"delete table ip {table}\n"
-            try:
-                await _run_nft_async(script)
-            except NetworkError:
-                # The chain was already gone, so the transaction did nothing.
-                await self._delete_host_table_if_unused()
-
-    async def _delete_host_table_if_unused(self) -> bool:
-        slots = await self._known_internet_slots()
-        if slots or not await asyncio.to_thread(self._host_table_exists):
-            return False
-        await _run_nft_async(f"delete table ip {self._host_table}\n")
-        return True
-
-    async def _known_internet_slots(self) -> set[int]:
-        if self._internet_slots is None:
-            chains = await asyncio.to_thread(self._host_chains)
-            self._internet_slots = {slot for _, slot in chains}
-        return self._internet_slots
-
-    def _host_table_exists(self) -> bool:
-        result = subprocess.run(
-            ["nft", "list", "table", "ip", self._host_table],
-            capture_output=True,
-            timeout=_NFT_TIMEOUT,
-            check=False,
-        )
-        return result.returncode == 0
-
-    def _host_chains(self) -> list[tuple[str, int]]:
-        """(name, slot) of the per-slot chains in this prefix's host table."""
-        result = subprocess.run(
-            ["nft", "-j", "list", "table", "ip", self._host_table],
-            capture_output=True,
-            text=True,
-            timeout=_NFT_TIMEOUT,
-            check=False,
-        )
-        if result.returncode != 0:
-            return []  # no table
-        chains: list[tuple[str, int]] = []
-        for item in json.loads(result.stdout).get("nftables", []):
-            name = item.get("chain", {}).get("name")
-            match = self._chain_name.fullmatch(name) if isinstance(name, str) else None
-            if match:
-                chains.append((f"{self._host_table}/{name}", int(match.group(1))))
-        return chains
+        """Say once per manager that sandboxes asking for internet access will not get
+        it (see :meth:`HostUplinks.warn_if_no_default_route`)."""
+        self._uplinks.warn_if_no_default_route(outbound)
 
     # -- teardown ----------------------------------------------------------------------------
 
@@ -555,7 +481,7 @@ class NetworkManager:
         net = self.describe(slot)
         await self.egress_filter.stop(slot)
         await _run_blocking(self._remove_by_name, [net.host_veth, net.netns])
-        await self._remove_internet_access(slot)
+        await self._uplinks.remove(slot)
 
     async def _rollback(self, slot: int) -> None:
         try:
@@ -564,10 +490,14 @@ class NetworkManager:
             log.exception("rolling back the network of slot %d failed", slot)
 
     def _remove_by_name(self, names: list[str]) -> None:
-        """Delete host veths and namespaces by name; missing ones are skipped."""
-        with IPRoute() as host:
-            for name in names:
-                if self._veth_name.fullmatch(name):
+        """Delete host veths and namespaces by name; missing ones are skipped. Runs in a
+        thread of the root namespace."""
+        # Every create first clears its slot, which is nearly always empty: a netlink
+        # socket is opened only when there is a veth to delete.
+        veths = [n for n in names if self._veth_name.fullmatch(n) and _link_exists(n)]
+        if veths:
+            with IPRoute() as host:
+                for name in veths:
                     # Deleting the host end removes the peer too, at once; the namespace
                     # itself is torn down asynchronously by the kernel.
                     with contextlib.suppress(_NoSuchDevice):
@@ -592,9 +522,9 @@ class NetworkManager:
                 match = self._veth_name.fullmatch(name) if name else None
                 if match:
                     found.append((name, int(match.group(1))))
-        found.extend(self._host_chains())
-        if include_table and self._host_table_exists():
-            found.append((self._host_table, _TABLE_SLOT))
+        found.extend(self._uplinks.chains())
+        if include_table and self._uplinks.table_exists():
+            found.append((self._uplinks.table, _TABLE_SLOT))
         return found
 
     def _slot_lock(self, slot: int) -> asyncio.Lock:
@@ -625,6 +555,15 @@ def _index(ipr: IPRoute, ifname: str) -> int:
     return int(indexes[0])
 
 
+def _link_exists(ifname: str) -> bool:
+    """Whether the calling thread's namespace has an interface ``ifname``."""
+    try:
+        socket.if_nametoindex(ifname)
+    except OSError:
+        return False
+    return True
+
+
 def _delete_link(ipr: IPRoute, ifname: str) -> None:
     indexes = ipr.link_lookup(ifname=ifname)
     if not indexes:
@@ -637,6 +576,36 @@ def _delete_link(ipr: IPRoute, ifname: str) -> None:
         raise
 
 
+@dataclass(frozen=True)
+class HostAddress:
+    """An IPv4 address of the host, with its network and interface."""
+
+    address: ipaddress.IPv4Address
+    network: ipaddress.IPv4Network
+    index: int
+
+
+def _host_addresses(host: IPRoute) -> list[HostAddress]:
+    found = []
+    for msg in host.addr("dump", family=2):
+        address = msg.get_attr("IFA_ADDRESS")
+        if address:
+            found.append(
+                HostAddress(
+                    ipaddress.IPv4Address(address),
+                    ipaddress.IPv4Network(f"{address}/{msg['prefixlen']}", strict=False),
+                    int(msg["index"]),
+                )
+            )
+    return found
+
+
+def _call_with_host_socket(func: Callable[[IPRoute], _T]) -> _T:
+    """``func`` given a netlink socket of the calling thread's (root) namespace."""
+    with IPRoute() as host:
+        return func(host)
+
+
 def _host_networks(host: IPRoute) -> list[ipaddress.IPv4Network]:
     """Every IPv4 network the host has an address in (the address itself included)."""
     return [
@@ -646,64 +615,10 @@ def _host_networks(host: IPRoute) -> list[ipaddress.IPv4Network]:
     ]
 
 
-def _default_interface() -> str | None:
-    """The interface of the host's IPv4 default route; None when it has none."""
-    with IPRoute() as host:
-        for route in host.get_default_routes(family=2):
-            index = route.get_attr("RTA_OIF")
-            if index is not None:
-                links = host.link("get", index=index)
-                return str(links[0].get_attr("IFLA_IFNAME"))
-    return None
-
-
-def internet_access_rules(
-    table: str, veths: str, slot_block: str, slot: int, outbound: str | None
-) -> str:
-    """The nft script letting slot ``slot`` out through ``outbound``, the host's default
-    interface. Without one (``None``) nothing is forwarded or masqueraded, but the slot's
-    chain is still made (it is what marks the slot as having asked): the guest's packets
-    then meet the host's own routing, which has nowhere to send them, so its egress fails
-    as the host's would (the host answers "network unreachable") while everything else
-    about the sandbox works."""
-    forward_out = (
-        f'add rule ip {table} forward iifname "{veths}" oifname "{outbound}" accept\n'
-        if outbound
-        else ""
-    )
-    masquerade = (
-        f'add rule ip {table} slot{slot} ip saddr {slot_block} oifname "{outbound}" masquerade\n'
-        if outbound
-        else ""
-    )
-    return (
-        f"add table ip {table}\n"
-        # Sandboxes may only be forwarded out of the default interface: not into
-        # each other, and (input) not to services of the host itself.
-        f"add chain ip {table} input {{ type filter hook input priority filter; }}\n"
-        f"flush chain ip {table} input\n"
-        f'add rule ip {table} input iifname "{veths}" ct state new drop\n'
-        f"add chain ip {table} forward {{ type filter hook forward priority filter; }}\n"
-        f"flush chain ip {table} forward\n"
-        + forward_out
-        + f'add rule ip {table} forward iifname "{veths}" drop\n'
-        f'add rule ip {table} forward oifname "{veths}" ct state new drop\n'
-        f"add chain ip {table} slot{slot} {{ type nat hook postrouting priority srcnat; }}\n"
-        f"flush chain ip {table} slot{slot}\n" + masquerade
-    )
-
-
 def _write_sysctl(key: str, value: str) -> None:
     # /proc/sys/net shows the network namespace of the calling thread.
     with open(f"/proc/sys/{key}", "w") as f:
         f.write(value)
-
-
-def _write_host_sysctl(key: str, value: str) -> None:
-    with open(f"/proc/sys/{key}") as f:
-        if f.read().strip() == value:
-            return
-    _write_sysctl(key, value)
 
 
 class _NftRun:
@@ -724,39 +639,16 @@ class _NftRun:
 
     def finish(self, script: str) -> None:
         try:
-            _, stderr = self._proc.communicate(script, timeout=_NFT_TIMEOUT)
+            _, stderr = self._proc.communicate(script, timeout=NFT_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             self.abandon()
-            raise NetworkError(f"nft did not finish within {_NFT_TIMEOUT} s") from exc
+            raise NetworkError(f"nft did not finish within {NFT_TIMEOUT_S} s") from exc
         if self._proc.returncode != 0:
             raise NetworkError(f"nft rejected the ruleset: {stderr.strip()}")
 
     def abandon(self) -> None:
         self._proc.kill()
         self._proc.communicate()
-
-
-async def _run_nft_async(script: str) -> None:
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "nft",
-            "-f",
-            "-",
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-    except OSError as exc:
-        raise NetworkError(f"running nft failed: {exc}") from exc
-    try:
-        _, stderr = await asyncio.wait_for(proc.communicate(script.encode()), _NFT_TIMEOUT)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    if proc.returncode != 0:
-        raise NetworkError(f"nft rejected the ruleset: {stderr.decode().strip()}")
 
 
 async def _run_blocking(func: Callable[..., _T], *args: Any) -> _T:

@@ -33,7 +33,7 @@ from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_mani
 from agentenv.storage.clone import clone_file, flush_file, make_durable
 from agentenv.storage.extents import reshare
 from agentenv.storage.images import backing_chain, flatten
-from agentenv.vmm.base import VMMError
+from agentenv.vmm.base import DiskCapture, VMMError
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -174,13 +174,16 @@ class Capture:
         snapshot_id: str,
     ) -> SnapshotRecord:
         """Freeze a running sandbox into a new snapshot directory: device state, RAM
-        (a reflink of its RAM file, sharing unchanged extents) and its disk's current top
-        image, sealed in place while new writes go to a fresh top. The VM is stopped only
-        for that; it runs on afterwards whatever happens."""
+        (a reflink of its RAM file, sharing unchanged extents, or the RAM image the save
+        wrote there) and its disk as the driver captures it (:class:`DiskCapture`): the
+        current qcow2 top sealed in place while new writes go to a fresh top, or the raw
+        disk copied. The VM is stopped only for that; it runs on afterwards whatever
+        happens."""
         vm = self.machines.running_vm(rec)
-        if not self.machines.driver.seals_drives:
+        how = self.machines.driver.disk_capture
+        if how is DiskCapture.NONE:
             raise OperationFailed(
-                f"snapshots and forks need a VMM that can seal a running disk; "
+                f"snapshots and forks need a VMM that can capture a running disk; "
                 f"{self.machines.driver.name} cannot"
             )
         phases = PhaseTimer()
@@ -219,16 +222,27 @@ class Capture:
                 phases.mark("flush")
             files = await vm.save_state(directory)
             phases.mark("save")
-            disk = snap_dir.disk
-            new_top = SandboxDir(rec.workdir).next_top()
-            old_top = next(d.path for d in vm.spec.drives if d.drive_id == "root")
-            await vm.seal_drive("root", disk, new_top)
-            sealed = True
-            self.store.update_sandbox(rec.sandbox_id, disk_path=new_top, snapshot_id=snapshot_id)
-            rec.disk_path, rec.snapshot_id = new_top, snapshot_id
-            old_top.unlink(missing_ok=True)
-            phases.mark("seal")
-            if files.memory_file is not None:
+            root = next(d for d in vm.spec.drives if d.drive_id == "root")
+            if how is DiskCapture.SEAL:
+                disk, disk_fmt = snap_dir.disk_file("qcow2"), "qcow2"
+                new_top = SandboxDir(rec.workdir).next_top()
+                await vm.seal_drive("root", disk, new_top)
+                sealed = True
+                self.store.update_sandbox(
+                    rec.sandbox_id, disk_path=new_top, snapshot_id=snapshot_id
+                )
+                rec.disk_path, rec.snapshot_id = new_top, snapshot_id
+                root.path.unlink(missing_ok=True)
+                phases.mark("seal")
+            else:
+                # A copy of the file the machine goes on writing: nothing of the sandbox
+                # depends on the snapshot (a failure below can remove it whole).
+                disk, disk_fmt = snap_dir.disk_file(root.fmt), root.fmt
+                await clone_file(root.path, disk, mode=0o400)
+                phases.mark("disk")
+            if files.memory_file is not None and files.memory_file.parent != directory:
+                # The VM's own RAM file (it maps it shared): cloned before it runs on.
+                # A RAM image the save wrote into the directory is the snapshot's already.
                 memory = snap_dir.memory_file
                 await clone_file(files.memory_file, memory, mode=0o400)
                 files = replace(files, memory_file=memory)
@@ -244,6 +258,9 @@ class Capture:
                 self.store.delete_snapshot(snapshot_id)
                 shutil.rmtree(directory, ignore_errors=True)
             raise OperationFailed(f"snapshot of sandbox {rec.sandbox_id} failed: {exc}") from exc
+        if not sealed:
+            self.store.update_sandbox(rec.sandbox_id, snapshot_id=snapshot_id)
+            rec.snapshot_id = snapshot_id
         try:
             await vm.resume()
         except VMMError as exc:
@@ -266,7 +283,7 @@ class Capture:
                     directory=directory,
                     files=files,
                     disk=disk,
-                    disk_format="qcow2",
+                    disk_format=disk_fmt,
                     disk_chain_depth=depth,
                 )
             )

@@ -44,6 +44,8 @@ FROZEN_COMPLETE = "complete"
 GENERATION_FILE = "generation"
 COMMITTED_MARKER = "committed"
 SNAPSHOT_DISK = "disk.qcow2"
+# A snapshot's disk copied whole from a running raw disk (see DiskCapture.COPY).
+SNAPSHOT_RAW_DISK = "disk.raw"
 
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -187,7 +189,13 @@ class SnapshotDir:
 
     @property
     def disk(self) -> Path:
-        return self.path / SNAPSHOT_DISK
+        """The snapshot's disk: a sealed qcow2 layer, or (once written) a raw copy."""
+        raw = self.disk_file("raw")
+        return raw if raw.exists() else self.path / SNAPSHOT_DISK
+
+    def disk_file(self, fmt: DiskFormat) -> Path:
+        """Where a capture puts the snapshot's disk in format ``fmt``."""
+        return self.path / (SNAPSHOT_DISK if fmt == "qcow2" else SNAPSHOT_RAW_DISK)
 
     @property
     def memory_file(self) -> Path:

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import sqlite3
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -114,8 +115,10 @@ class Lifecycle:
         boot_timeout: float,
         memory: MemoryBudget,
         mode: Mode,
+        envd_init_timeout: float = 30.0,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
+        self.envd_init_timeout = envd_init_timeout
         self.mode = mode
         self.memory = memory
         self.store = store
@@ -325,6 +328,7 @@ class Lifecycle:
                     net.guest_address,
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
+                    timeout=self.envd_init_timeout,
                 )
                 phases.mark("envd_init")
             if mounts:
@@ -484,7 +488,10 @@ class Lifecycle:
             else SnapshotFiles.from_json(directory.paused_manifest.read_text())
         )
         if files is not None and files.memory_file is not None:
-            memory, shared = files.memory_file, True
+            # The saved RAM file is the sandbox's own: mapped shared where the VMM can
+            # (its RAM lives on in it), else privately (Firecracker: its next save
+            # writes a new one).
+            memory, shared = files.memory_file, self.driver.shared_memory_boot
         else:
             # RAM comes from the stream (or a boot); it lands in a file of the sandbox's
             # own when the VMM can map one, so the next pause is a device-state save.
@@ -568,18 +575,25 @@ class Lifecycle:
                     guest_address,
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
+                    timeout=self.envd_init_timeout,
                 )
-                self._envd_failed.pop(rec.sandbox_id, None)
-                self.store.update_sandbox(rec.sandbox_id, envd_pending=None)
-                rec.envd_pending = None
             except Exception as exc:
                 what = "start" if first else "resume"
                 log.error("sandbox %s: envd /init after %s failed: %s", rec.sandbox_id, what, exc)
                 if first:
                     self._envd_failed[rec.sandbox_id] = str(exc)
+                return
             finally:
                 if self._settling.get(rec.sandbox_id) is task:
                     del self._settling[rec.sandbox_id]
+            self._envd_failed.pop(rec.sandbox_id, None)
+            rec.envd_pending = None
+            try:
+                self.store.update_sandbox(rec.sandbox_id, envd_pending=None)
+            except sqlite3.Error as exc:
+                # envd has its token: the sandbox serves. The record still says the
+                # /init is owed, so a restart runs it once more, which is harmless.
+                log.warning("sandbox %s: recording its envd /init failed: %s", rec.sandbox_id, exc)
 
         task = asyncio.get_running_loop().create_task(init())
         self._settling[rec.sandbox_id] = task

@@ -218,6 +218,7 @@ class Orchestrator:
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
             mode=self.mode,
+            envd_init_timeout=config.envd_init_timeout,
         )
         self._liveness = VmmLiveness(
             self.store, self._machines, self._operations, self._lifecycle, self._free_space
@@ -728,10 +729,10 @@ class Orchestrator:
         self, sandbox_id: str, count: int = 1, timeout: int | None = None
     ) -> list[SandboxView | Exception]:
         """Start ``count`` children of a running sandbox, all at once, on this node. They
-        share the parent's RAM image (private mappings) and disk (overlays), inherit its
-        metadata, environment and security, and get their own id, token, network slot,
-        clock and entropy. The parent keeps running. One result per child: its view or
-        why it failed."""
+        share the parent's RAM image (private mappings) and disk (overlays, or reflinks of
+        a raw copy), inherit its metadata, environment and security, and get their own id,
+        token, network slot, clock and entropy. The parent keeps running. One result per
+        child: its view or why it failed."""
         if not 1 <= count <= MAX_FORK_CHILDREN:
             raise InvalidRequest(f"count must be between 1 and {MAX_FORK_CHILDREN}")
         self._free_space.check("fork")

@@ -51,8 +51,9 @@ class Refusal:
 
 
 def oversized_head(scope: Scope) -> Refusal | None:
-    """A 431 for request headers over :data:`MAX_HEADER_BYTES`. (h11 enforces its own
-    limit only when headers span several reads.)"""
+    """A 431 for request headers over :data:`MAX_HEADER_BYTES`. (The servers' own HTTP
+    protocol, agentenv.api.http_protocol, reads heads up to 1 MiB so that this answer,
+    rather than a closed connection, is what a client gets.)"""
     header_bytes = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
     if header_bytes > MAX_HEADER_BYTES:
         return Refusal(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")

@@ -41,6 +41,23 @@ class SnapshotIncompatible(VMMError):
     the one it is being restored with."""
 
 
+class DiskCapture(enum.StrEnum):
+    """How a driver's running machine has its root disk captured into a snapshot (the
+    machine is stopped by :meth:`VirtualMachine.save_state` meanwhile, and runs on
+    afterwards)."""
+
+    #: It cannot be: snapshots and forks of running machines are refused.
+    NONE = "none"
+    #: :meth:`VirtualMachine.seal_drive`: the qcow2 top image is frozen in place as the
+    #: snapshot's disk and writes go on into a new top over it (constant time; the
+    #: sandbox's disk then builds on the snapshot's).
+    SEAL = "seal"
+    #: The disk file is copied (a reflink where the filesystem can) into the snapshot
+    #: while the machine is stopped: its save has completed every block request, so the
+    #: file holds what the saved state expects. The machine keeps writing its own file.
+    COPY = "copy"
+
+
 class VMRunState(enum.StrEnum):
     STARTING = "starting"
     RUNNING = "running"
@@ -364,9 +381,9 @@ class VMMDriver(ABC):
     shared_memory_boot: bool = True
     #: Accelerators (``MachineSpec.accel``) the VMM runs guests under.
     accelerators: tuple[Literal["tcg", "kvm"], ...] = ("tcg", "kvm")
-    #: Whether :meth:`VirtualMachine.seal_drive` works: a running machine's disk can be
-    #: frozen in constant time while writes go on into a new top image.
-    seals_drives: bool = False
+    #: How a running machine's disk is captured into a snapshot (:class:`DiskCapture`);
+    #: :attr:`DiskCapture.SEAL` needs :meth:`VirtualMachine.seal_drive`.
+    disk_capture: DiskCapture = DiskCapture.NONE
     #: Whether the files a pause writes (:meth:`VirtualMachine.save_state` output and the
     #: sandbox's disk) can be committed to the snapshot repository, so a paused sandbox
     #: can be resumed on another node.

@@ -11,6 +11,10 @@ Things about Firecracker (v1.12) that shape this driver:
   orchestrator's resume of a paused sandbox's own RAM image) maps the image privately all
   the same: the guest's writes never reach that file, and the next save writes a new one.
 - Drives must be raw files; a qcow2 disk needs a raw view (e.g. a reflink copy) first.
+  Without backing files a running drive cannot be sealed under a new top image, so a
+  snapshot of a running machine copies the drive while it is paused
+  (``DiskCapture.COPY``): ``/snapshot/create`` flushes every block device to its file
+  before it returns.
 - A snapshot records each drive's ``path_on_host`` and the tap name exactly as they were
   given, and the recorded drive paths must exist when the snapshot is loaded. So the driver
   never hands Firecracker a real drive path: Firecracker runs with ``cwd=workdir`` and its
@@ -48,6 +52,7 @@ import httpx
 
 from agentenv.vmm import firecracker_jail as jail_paths
 from agentenv.vmm.base import (
+    DiskCapture,
     MachineSpec,
     SnapshotFiles,
     VirtualMachine,
@@ -456,8 +461,9 @@ class FirecrackerDriver(VMMDriver):
     # No software emulation.
     accelerators = ("kvm",)
     # Raw drives have no backing files, so a running disk cannot be frozen under a new
-    # top image.
-    seals_drives = False
+    # top image; it is copied instead, while the machine is paused for its snapshot
+    # (whose creation flushes every block device to its file first).
+    disk_capture = DiskCapture.COPY
     # Its pause files are not published to the snapshot repository yet.
     publishes_paused_state = False
 

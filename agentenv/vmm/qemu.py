@@ -48,6 +48,7 @@ from typing import Any
 from qemu.qmp import ConnectError, QMPClient
 
 from agentenv.vmm.base import (
+    DiskCapture,
     MachineSpec,
     SnapshotFiles,
     SnapshotIncompatible,
@@ -150,7 +151,7 @@ class QemuDriver(VMMDriver):
     name = DRIVER_NAME
     executables = ("qemu-system",)
     accelerators = ("tcg", "kvm")
-    seals_drives = True
+    disk_capture = DiskCapture.SEAL
     publishes_paused_state = True
 
     def __init__(
@@ -438,6 +439,7 @@ class QemuDriver(VMMDriver):
         # Booting VMMs run their guest at once and join before exec.
         join_later: tuple[Path, ...] = ()
         if self.confinement is not None:
+            await self.confinement.released(workdir)
             jail = self.confinement.jail_for(spec, workdir)
             try:
                 launch_spec, cgroups = self._confine(launch_spec, spec, jail, socket_path)
@@ -535,9 +537,12 @@ class QemuDriver(VMMDriver):
             if socket_path.exists():
                 qmp = QMPClient(f"agentenv-{process.pid}")
                 try:
-                    # A QMP monitor serves one client at a time; a second one is accepted
-                    # but gets no greeting, hence the timeout.
-                    await asyncio.wait_for(qmp.connect(str(socket_path)), 2.0)
+                    # One attempt may take the rest of the deadline: a QMP monitor serves
+                    # one client at a time, so an attempt given up on mid-negotiation
+                    # (QEMU's main loop slow on a loaded host) leaves QEMU answering it
+                    # on the next connection, whose own negotiation then fails.
+                    remaining = max(deadline - loop.time(), 2.0)
+                    await asyncio.wait_for(qmp.connect(str(socket_path)), remaining)
                     return qmp
                 except (ConnectError, TimeoutError, OSError) as exc:
                     last_error = exc

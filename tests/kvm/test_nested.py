@@ -2,8 +2,8 @@
 ``scripts/kvm-host`` (as a user would), and the smoke (:mod:`tests.kvm.smoke`: the real
 server, the unmodified ``e2b`` SDK) runs in it once per mode, followed against the same
 server by the rest of the core the mode supports (:mod:`tests.kvm.core`: pause and
-connect, PTY, kill -9 of the server and re-adoption; with QEMU also snapshot and a
-template build).
+connect, snapshot, PTY, kill -9 of the server and re-adoption, a template build; with
+Firecracker also a fork of 4).
 
 Skipped, with the reason, only where this machine's QEMU does not emulate SVM with nested
 paging; anything else that keeps the host from booting or KVM from working fails.
@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts/kvm-host"
 # Generous: the first start builds the host image (minutes); the smoke starts a server
 # and builds the base template under Python and guests both running at TCG speed, then
-# runs the core steps (4-7 minutes per mode in all, here).
+# runs the core steps (4-7 minutes per mode in all, here; Firecracker's, whose captures
+# write and commit whole RAM images and raw disks, 21 minutes under a load average of 26-43).
 START_TIMEOUT = 1800
 SMOKE_TIMEOUT = 1800
 
