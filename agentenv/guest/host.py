@@ -28,8 +28,10 @@ HOST_TOOLS: dict[str, str] = {
 
 # Static binaries copied into the guest; they must not depend on the host's libc.
 STATIC_BUSYBOX = Path("/bin/busybox")
-STATIC_TINI = Path("/usr/bin/tini-static")
-STATIC_FILES: dict[Path, str] = {STATIC_BUSYBOX: "busybox-static", STATIC_TINI: "tini"}
+# The guest's PID 1: catatonit blocks on a signalfd until a signal or a child's exit, where
+# tini wakes every second to poll for zombies (an idle guest's wakeups are the node's CPU).
+STATIC_INIT = Path("/usr/bin/catatonit")
+STATIC_FILES: dict[Path, str] = {STATIC_BUSYBOX: "busybox-static", STATIC_INIT: "catatonit"}
 
 APT_PACKAGES: tuple[str, ...] = tuple(
     sorted({*HOST_TOOLS.values(), *STATIC_FILES.values(), "debian-archive-keyring"})

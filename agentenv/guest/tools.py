@@ -1,5 +1,6 @@
-"""The read-only tools drive mounted at /.aenv in every guest: tini, busybox, aenv-init,
-envd with a self-contained CPython 3.11 built from Debian .debs, and the kernel modules."""
+"""The read-only tools drive mounted at /.aenv in every guest: catatonit (PID 1), busybox,
+aenv-init, envd with a self-contained CPython 3.11 built from Debian .debs, and the kernel
+modules."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import agentenv
 from agentenv.guest.cache import hash_files, sha256_file
 from agentenv.guest.debian import DebPackage, download, extract
 from agentenv.guest.errors import GuestImageError
-from agentenv.guest.host import STATIC_BUSYBOX, STATIC_TINI, host_env, run
+from agentenv.guest.host import STATIC_BUSYBOX, STATIC_INIT, host_env, run
 from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 
 TOOLS_BUILD_VERSION = 1
@@ -123,7 +124,7 @@ def tools_inputs(
         "envd_sources": hash_files(envd_source_files(), package.parent),
         "templates": hash_files(sorted(files_dir.glob("*.sh")), files_dir),
         "busybox": sha256_file(STATIC_BUSYBOX),
-        "tini": sha256_file(STATIC_TINI),
+        "init": sha256_file(STATIC_INIT),
         "kernel": [kernel_key, kernel_release],
         "workload_modules": list(WORKLOAD_MODULES),
         "envd_port": ENVD_PORT,
@@ -250,7 +251,7 @@ async def build_tools(
     tree = out.parent / "tree"
     busybox = tree / "bin/busybox"
     _install_file(STATIC_BUSYBOX, busybox, 0o755)
-    _install_file(STATIC_TINI, tree / "bin/tini", 0o755)
+    _install_file(STATIC_INIT, tree / "bin/catatonit", 0o755)
     aenv_init = template("aenv-init.sh").replace("@WORKLOAD_MODULES@", " ".join(WORKLOAD_MODULES))
     _install_file(aenv_init, tree / "bin/aenv-init", 0o755)
     library_path = ":".join(f"$py/{d}" for d in LIBRARY_DIRS)

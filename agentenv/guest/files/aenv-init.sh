@@ -1,5 +1,5 @@
 #!/.aenv/bin/busybox sh
-# agentenv guest init, run by tini (PID 1) from the read-only tools drive mounted at /.aenv.
+# agentenv guest init, run by catatonit (PID 1) from the read-only tools drive mounted at /.aenv.
 # It prepares the kernel filesystems, modules and network that sandboxes expect, then keeps
 # envd running. It only uses busybox from the tools drive, so the root filesystem may be any
 # image (no systemd, no shell, no libc needed).

@@ -1,7 +1,7 @@
 #!/bin/sh
 # agentenv initramfs /init: load the virtio modules, mount the user's root filesystem
 # (/dev/vda, read-write) and the read-only tools drive (/dev/vdb) at /.aenv inside it, then
-# hand over to tini + aenv-init from the tools drive. The user's rootfs is never modified
+# hand over to catatonit + aenv-init from the tools drive. The user's rootfs is never modified
 # beyond creating the empty /.aenv mount point, so any root filesystem works.
 export PATH=/bin
 
@@ -53,4 +53,4 @@ mount --move /dev /newroot/dev 2>/dev/null || {
 	mkdir -p /newroot/dev && mount --move /dev /newroot/dev
 } || fail "cannot move /dev into the root filesystem"
 
-exec switch_root /newroot /.aenv/bin/tini -s -- /.aenv/bin/aenv-init
+exec switch_root /newroot /.aenv/bin/catatonit -- /.aenv/bin/aenv-init
