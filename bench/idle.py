@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agentenv.vmm.base import thread_wakeups
 from bench.lifecycle import percentile, prepare_data_dir
 from tests.helpers import ServerProcess, create_sandbox_id, live_server, vmm_pids
 
@@ -60,20 +61,7 @@ def cpu_seconds(pid: int) -> float:
 
 def wakeups(pid: int) -> int:
     """Voluntary context switches of all of ``pid``'s threads so far."""
-    total = 0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return 0
-    for task in tasks:
-        try:
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # a thread that just ended
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches"):
-                total += int(line.split()[1])
-    return total
+    return sum(thread_wakeups(pid).values())
 
 
 @dataclass(frozen=True)

@@ -598,6 +598,23 @@ async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
     assert "cookie" not in nodes.headers[-1]
 
 
+def _scheduler_binding(sandbox_id: str, node_id: str, node_url: str) -> SchedulerClient:
+    """A client of an in-process scheduler that knows one node, at ``node_url`` (a real
+    server), and binds ``sandbox_id`` to it."""
+    reg = registry(Clock())
+
+    async def register() -> None:
+        await reg.heartbeat(report(node_id, url=node_url))
+        await reg.bind(sandbox_id, node_id)
+
+    asyncio.run(register())
+    return SchedulerClient(
+        "http://scheduler.test",
+        KEY,
+        transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
+    )
+
+
 def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
     """A node's stream that would run for an hour (a command's output, say) ends on the
     node once the client goes away: the gateway sees the client leave and lets go of it."""
@@ -614,18 +631,7 @@ def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
         return StreamingResponse(chunks())
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", endless)])) as node:
-        reg = registry(Clock())
-        scheduler = SchedulerClient(
-            "http://scheduler.test",
-            KEY,
-            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
-        )
-
-        async def register() -> None:
-            await reg.heartbeat(report("a", url=node.url))
-            await reg.bind("istream", "a")
-
-        asyncio.run(register())
+        scheduler = _scheduler_binding("istream", "a", node.url)
         with ServedApp(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 traffic = {"E2b-Sandbox-Id": "istream"}
@@ -647,18 +653,7 @@ def test_answers_through_the_gateway_carry_one_date() -> None:
         return PlainTextResponse("ok", headers={"x-node": "a"})
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", dated)])) as node:
-        reg = registry(Clock())
-        scheduler = SchedulerClient(
-            "http://scheduler.test",
-            KEY,
-            transport=httpx.ASGITransport(app=create_scheduler_app(reg, KEY)),
-        )
-
-        async def register() -> None:
-            await reg.heartbeat(report("a", url=node.url))
-            await reg.bind("idated", "a")
-
-        asyncio.run(register())
+        scheduler = _scheduler_binding("idated", "a", node.url)
         with ServedApp(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 for answer in (

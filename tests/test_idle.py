@@ -9,10 +9,10 @@ host's load does not inflate the way it inflates CPU time.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
+from agentenv.vmm.base import thread_wakeups
 from tests.helpers import ServerProcess, create_sandbox_id, vmm_pids
 
 pytestmark = pytest.mark.vm
@@ -25,29 +25,16 @@ IDLE_WAKEUPS_PER_S = 50
 WINDOW_S = 10.0
 
 
-def _voluntary_switches(pid: int) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # a thread that just ended
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches"):
-                counts[task.name] = int(line.split()[1])
-    return counts
-
-
 def test_idle_sandbox_vmm_sleeps(server: ServerProcess) -> None:
     with server.client() as api:
         sandbox_id = create_sandbox_id(api)
         try:
             (pid,) = vmm_pids(f"/{sandbox_id}/")
             time.sleep(3)  # the create's own traffic settles
-            before = _voluntary_switches(pid)
+            before = thread_wakeups(pid)
             started = time.monotonic()
             time.sleep(WINDOW_S)
-            after = _voluntary_switches(pid)
+            after = thread_wakeups(pid)
             elapsed = time.monotonic() - started
         finally:
             api.delete(f"/sandboxes/{sandbox_id}")

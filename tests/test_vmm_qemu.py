@@ -1027,18 +1027,19 @@ async def test_boot_in_network_namespace(
         _run("ip", "netns", "delete", netns)
 
 
-async def test_a_vmm_started_where_one_was_killed_waits_for_its_jail_to_go(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A killed VMM's jail tree and cgroup go in the background (its cgroup stays busy
-    for a moment); a VMM started in the same directory reuses both names, so it waits
-    for that removal, and only that one."""
+def _jail_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A data directory, a template's files and a sandbox's work directory in it."""
     data = tmp_path / "data"
     files = data / "templates" / "t"
     files.mkdir(parents=True)
     workdir = data / "sandboxes" / "s1"
     workdir.mkdir(parents=True)
-    confinement = Confinement(
+    return data, files, workdir
+
+
+def _file_only_confinement(tmp_path: Path, data: Path) -> Confinement:
+    """A confinement whose cgroups live under ``tmp_path``: for jail trees, no VMM."""
+    return Confinement(
         data_dir=data,
         id_base=2_000_000_000,
         device_gid=1_999_999_999,
@@ -1046,7 +1047,17 @@ async def test_a_vmm_started_where_one_was_killed_waits_for_its_jail_to_go(
         memory_overhead_mib=256,
         pids_max=512,
     )
-    jail = VmmJail(confinement, 2_000_000_001, workdir)
+
+
+async def test_a_vmm_started_where_one_was_killed_waits_for_its_jail_to_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed VMM's jail tree and cgroup go in the background (its cgroup stays busy
+    for a moment); a VMM started in the same directory reuses both names, so it waits
+    for that removal, and only that one."""
+    data, files, workdir = _jail_dirs(tmp_path)
+    jail = VmmJail(_file_only_confinement(tmp_path, data), 2_000_000_001, workdir)
+    confinement = jail.confinement
     jail.build(_plain_spec(files, memory_file=workdir / "ram"))
     removing, go_on = threading.Event(), threading.Event()
     real_cleanup = VmmJail.cleanup
@@ -1072,20 +1083,8 @@ async def test_a_vmm_started_where_one_was_killed_waits_for_its_jail_to_go(
 def test_jail_tree_is_traversable_under_the_servers_umask(tmp_path: Path) -> None:
     """The server runs with umask 077 (a private data directory); the directories of a
     VMM's jail tree must still be 0711, or the unprivileged VMM cannot reach its files."""
-    data = tmp_path / "data"
-    files = data / "templates" / "t"
-    files.mkdir(parents=True)
-    workdir = data / "sandboxes" / "s1"
-    workdir.mkdir(parents=True)
-    confinement = Confinement(
-        data_dir=data,
-        id_base=2_000_000_000,
-        device_gid=1_999_999_999,
-        cgroups=VmmCgroups(2, "agentenv-test", (tmp_path,), ("memory", "cpu", "pids")),
-        memory_overhead_mib=256,
-        pids_max=512,
-    )
-    jail = VmmJail(confinement, 2_000_000_001, workdir)
+    data, files, workdir = _jail_dirs(tmp_path)
+    jail = VmmJail(_file_only_confinement(tmp_path, data), 2_000_000_001, workdir)
     spec = _plain_spec(files, memory_file=workdir / "ram")
     old = os.umask(0o077)
     try:

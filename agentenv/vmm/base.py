@@ -279,6 +279,26 @@ def process_memory(pid: int) -> tuple[int, int]:
     return sizes.get("Rss", 0), sizes.get("Pss", 0)
 
 
+def thread_wakeups(pid: int) -> dict[str, int]:
+    """Voluntary context switches so far of each of ``pid``'s threads (by thread id): how
+    often each went to sleep and was woken. Threads that end meanwhile are left out;
+    empty once the process is gone."""
+    counts: dict[str, int] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return counts
+    for task in tasks:
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # a thread that just ended
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches"):
+                counts[task.name] = int(line.split()[1])
+    return counts
+
+
 @dataclass(frozen=True)
 class GuestMemory:
     """The guest kernel's memory figures as its balloon driver last reported them:
