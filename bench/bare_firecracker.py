@@ -36,9 +36,8 @@ import httpx
 from agentenv.network import NetworkManager
 from agentenv.network.addresses import TAP_NAME
 from agentenv.storage.volumes import make_empty_slot
-from agentenv.vmm.base import process_memory
 from agentenv.vmm.firecracker_binary import find_firecracker
-from bench.bare_qemu import run_tool
+from bench.bare_qemu import run_tool, timed_restores
 
 API_SOCKET = "fc.sock"
 LOG_FILE = "fc.log"
@@ -243,26 +242,19 @@ async def bare_fc_fork_once(
     """``len(netns)`` loads started at once (own disk clone, the template's RAM image
     mapped privately, own namespace). Returns the seconds until all were answered and
     their PSS per process (MiB) ``settle`` seconds later."""
-    dirs = [workdir / f"child-{i}" for i in range(len(netns))]
-    t0 = time.perf_counter()
-    started = await asyncio.gather(
-        *(bare_fc_restore(binary, snapshot_dir, d, ns) for d, ns in zip(dirs, netns, strict=True)),
-        return_exceptions=True,
+
+    async def kill(vm: BareFirecracker) -> None:
+        await vm.kill()
+
+    return await timed_restores(
+        lambda d, ns: bare_fc_restore(binary, snapshot_dir, d, ns),
+        kill,
+        _cleanup,
+        workdir,
+        netns,
+        settle,
+        "Firecracker loads",
     )
-    t1 = time.perf_counter()
-    vms = [item[0] for item in started if not isinstance(item, BaseException)]
-    try:
-        failures = [item for item in started if isinstance(item, BaseException)]
-        if failures:
-            raise RuntimeError(f"{len(failures)} bare Firecracker loads failed: {failures[0]}")
-        await asyncio.sleep(settle)
-        pss = sum(process_memory(vm.proc.pid)[1] for vm in vms) / 2**20 / len(vms)
-    finally:
-        for vm in vms:
-            await vm.kill()
-        for d in dirs:
-            _cleanup(d)
-    return t1 - t0, pss
 
 
 async def _bench(

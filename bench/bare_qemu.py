@@ -14,8 +14,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from agentenv.config import Config
 from agentenv.network import NetworkManager
@@ -306,32 +307,65 @@ async def bare_pause_once(
     return resumed, t1 - t0, size
 
 
-async def bare_fork_once(
-    snapshot_dir: Path, workdir: Path, netns: list[str], settle: float = 3.0
+class _BareProcess(Protocol):
+    proc: subprocess.Popen[bytes]
+
+
+_VM = TypeVar("_VM", bound=_BareProcess)
+
+
+async def timed_restores(
+    restore: Callable[[Path, str], Awaitable[tuple[_VM, float]]],
+    kill: Callable[[_VM], Awaitable[None]],
+    cleanup: Callable[[Path], None],
+    workdir: Path,
+    netns: list[str],
+    settle: float,
+    what: str,
 ) -> tuple[float, float]:
-    """``len(netns)`` restores started at once (own overlay, private RAM mapping, own
-    namespace). Returns the seconds until all returned ``cont`` and their PSS per
-    process (MiB) ``settle`` seconds later."""
+    """``len(netns)`` ``restore``s started at once, each in its own directory under
+    ``workdir`` and namespace. Returns the seconds until all were up and their PSS per
+    process (MiB) ``settle`` seconds later; they are killed and cleaned up after."""
     dirs = [workdir / f"child-{i}" for i in range(len(netns))]
     t0 = time.perf_counter()
     started = await asyncio.gather(
-        *(bare_restore(snapshot_dir, d, ns) for d, ns in zip(dirs, netns, strict=True)),
-        return_exceptions=True,
+        *(restore(d, ns) for d, ns in zip(dirs, netns, strict=True)), return_exceptions=True
     )
     t1 = time.perf_counter()
     vms = [item[0] for item in started if not isinstance(item, BaseException)]
     try:
         failures = [item for item in started if isinstance(item, BaseException)]
         if failures:
-            raise RuntimeError(f"{len(failures)} bare fork restores failed: {failures[0]}")
+            raise RuntimeError(f"{len(failures)} bare {what} failed: {failures[0]}")
         await asyncio.sleep(settle)
         pss = sum(process_memory(vm.proc.pid)[1] for vm in vms) / 2**20 / len(vms)
     finally:
         for vm in vms:
-            vm.kill()
+            await kill(vm)
         for d in dirs:
-            _cleanup_bare(d)
+            cleanup(d)
     return t1 - t0, pss
+
+
+async def bare_fork_once(
+    snapshot_dir: Path, workdir: Path, netns: list[str], settle: float = 3.0
+) -> tuple[float, float]:
+    """``len(netns)`` restores started at once (own overlay, private RAM mapping, own
+    namespace). Returns the seconds until all returned ``cont`` and their PSS per
+    process (MiB) ``settle`` seconds later."""
+
+    async def kill(vm: BareVM) -> None:
+        vm.kill()
+
+    return await timed_restores(
+        lambda d, ns: bare_restore(snapshot_dir, d, ns),
+        kill,
+        _cleanup_bare,
+        workdir,
+        netns,
+        settle,
+        "fork restores",
+    )
 
 
 async def _bench_bare(
