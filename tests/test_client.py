@@ -50,12 +50,17 @@ def live_ids(client: AgentEnv) -> set[str]:
     return {s.sandbox_id for s in client.list_sandboxes()}
 
 
-def test_health_needs_no_key(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_needs_the_key(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AENV_API_KEY", raising=False)
     monkeypatch.delenv("E2B_API_KEY", raising=False)
-    with AgentEnv(server.url) as anonymous:
+    with AgentEnv(server.url) as anonymous, pytest.raises(AuthError, match="API key"):
         assert anonymous.connection.api_key is None
-        health = anonymous.health()
+        anonymous.health()  # refused before anything is sent
+    with AgentEnv(server.url, "wrong-key") as intruder, pytest.raises(AuthError) as auth:
+        intruder.health()
+    assert auth.value.status == 401
+    with AgentEnv(server.url, server.api_key) as env:
+        health = env.health()
     assert health.status == "ok"
     assert health.templates["base"] == "ready"
     assert health.vmm in ("qemu", "firecracker")
