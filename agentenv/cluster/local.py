@@ -314,7 +314,13 @@ class LocalCluster:
         """Wait for the processes ``names`` (default: all) to serve, and for the nodes
         among them to be up in the scheduler."""
         deadline = time.monotonic() + wait
-        with httpx.Client(trust_env=False, timeout=5, verify=self.verify()) as http:
+        # With the key: without it a node's /health says nothing of its templates.
+        with httpx.Client(
+            trust_env=False,
+            timeout=5,
+            verify=self.verify(),
+            headers={"X-API-Key": self.api_key},
+        ) as http:
             for name, proc in self.procs.items():
                 if name == "redis" or not proc.alive() or (names and name not in names):
                     continue
