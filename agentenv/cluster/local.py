@@ -336,7 +336,10 @@ class LocalCluster:
                 for name, proc in self.procs.items()
                 if name.startswith("node-") and proc.alive() and (not names or name in names)
             }
-            while not nodes <= set(self.nodes_up(http)):
+            # Up, and holding the base template as their heartbeats say: placement
+            # prefers nodes that hold a template, so a create right after the start
+            # would otherwise go to whichever node's heartbeat said so first.
+            while not nodes <= set(self.nodes_up(http, holding="base")):
                 if time.monotonic() > deadline:
                     raise ClusterStartError("nodes did not all register with the scheduler")
                 time.sleep(0.3)
@@ -378,10 +381,16 @@ class LocalCluster:
             )
         return bool(state == "ready")
 
-    def nodes_up(self, http: httpx.Client) -> list[str]:
+    def nodes_up(self, http: httpx.Client, *, holding: str | None = None) -> list[str]:
+        """The nodes the scheduler has up (and, with ``holding``, that report holding
+        that template)."""
         try:
             nodes = http.get(f"{self.scheduler_url}/nodes", headers={"X-API-Key": self.api_key})
-            return [n["report"]["nodeID"] for n in nodes.json() if n["state"] == "up"]
+            return [
+                n["report"]["nodeID"]
+                for n in nodes.json()
+                if n["state"] == "up" and (holding is None or holding in n["report"]["templates"])
+            ]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return []
 
