@@ -22,7 +22,8 @@ ONE_READ = 256 * 1024
 
 
 async def echo_sizes(scope: Any, receive: Any, send: Any) -> None:
-    """Answers with how many header and body bytes the request reached the app with."""
+    """Answers with how many header and body bytes the request reached the app with, and
+    its raw path."""
     if scope["type"] != "http":
         return
     body = b""
@@ -32,7 +33,8 @@ async def echo_sizes(scope: Any, receive: Any, send: Any) -> None:
         if not message.get("more_body"):
             break
     head = sum(len(name) + len(value) for name, value in scope["headers"])
-    answer = json.dumps({"head": head, "body": len(body)}).encode()
+    raw_path = scope["raw_path"].decode("latin-1")
+    answer = json.dumps({"head": head, "body": len(body), "raw_path": raw_path}).encode()
     await send(
         {
             "type": "http.response.start",
@@ -158,3 +160,15 @@ async def test_bodies_do_not_count_towards_the_head_on_a_kept_alive_connection(
     finally:
         writer.close()
     assert got == [(200, len(body)), (200, len(body)), (200, 0), (200, len(body))]
+
+
+async def test_a_target_that_is_not_a_path_reaches_the_app_whole(port: int) -> None:
+    """Absolute-form is kept as h11 keeps it, for the proxy's path check to refuse: cut
+    down to its path it would look like an ordinary request for that path."""
+    for target, raw_path in (
+        (b"http://127.0.0.1/init?a=1", "http://127.0.0.1/init"),
+        (b"/plain?a=1", "/plain"),
+    ):
+        request = b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        [(status, _, body)] = answers(await exchange(port, request))
+        assert (status, body["raw_path"]) == (200, raw_path)

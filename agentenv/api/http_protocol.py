@@ -10,7 +10,9 @@ with two things uvicorn's own httptools protocol lacks:
   client could make a server hold any amount of memory before authentication. Here a head
   is bounded by the ``h11_max_incomplete_event_size`` uvicorn is given (h11's own default,
   16 KiB, when it is not), the setting the h11 protocol applies; a longer one is answered
-  with a JSON 431 and the connection closed.
+  with a JSON 431 and the connection closed;
+- a request target that is not a path (absolute-form) reaches the app whole, as with h11,
+  not cut down to its path.
 
 The gateway and the scheduler run it on uvloop, the node on asyncio's own loop (see
 agentenv/server.py); README, Benchmarks, has what each saves.
@@ -64,7 +66,17 @@ class JsonErrorsHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.reading_head = False
+        target = self.url
         super().on_headers_complete()
+        if target[:1] != b"/" and "raw_path" in self.scope:
+            # A target that is not a path (absolute-form `http://host/x`): llhttp's URL
+            # parser keeps only its path, which would hide from the app that the
+            # request named a host of its own. As uvicorn's h11 protocol does, the app
+            # gets the target whole, so that the proxy's path check refuses it (400).
+            # The request's task has not run yet; it reads this same scope.
+            raw_path = target.partition(b"?")[0]
+            self.scope["raw_path"] = raw_path
+            self.scope["path"] = raw_path.decode("latin-1")
 
     def send_400_response(self, msg: str) -> None:
         self.refuse(400, msg)
