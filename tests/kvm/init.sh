@@ -1,7 +1,7 @@
 #!/bin/sh
 # The KVM test host's init. The guest image's initramfs mounts the host's root filesystem
 # (/dev/vda) and the payload disk (/dev/vdb) at /.aenv, then runs this script (as
-# /.aenv/bin/aenv-init, under tini) exactly as it would a sandbox's aenv-init: the host
+# /.aenv/bin/aenv-init, under catatonit) exactly as it would a sandbox's aenv-init: the host
 # reuses the guest kernel and initramfs unchanged. It mounts the kernel filesystems, loads
 # KVM, mounts the reflink-capable data disk (/dev/vdc, XFS), binds the payload (checkout,
 # virtualenv, Firecracker, guest image) at the paths it has outside, and runs the agent.

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from agentenv.guest import build_guest_image, default_cache_dir, kernel_cmdline
+from agentenv.guest.host import STATIC_INIT
 from agentenv.guest.image import CURRENT_LINK, IMAGES_DIR
 from agentenv.vmm.firecracker_binary import find_firecracker, find_jailer
 from tests.kvm.agent import PORT_NAMES
@@ -51,7 +52,6 @@ VCPUS = 2
 MEMORY = "4G"
 DATA_DISK_BYTES = 32 << 30
 BOOT_TIMEOUT = 600.0
-TINI = Path("/usr/bin/tini-static")
 QMP_PROBE = ("qemu-system-x86_64", "-M", "none", "-accel", "tcg", "-display", "none")
 HERE = Path(__file__).resolve().parent
 
@@ -172,7 +172,8 @@ def _guest_image_parts(cache_dir: Path) -> list[Path]:
 def build_payload_tree(tree: Path, cache_dir: Path, venv: Path) -> list[str]:
     """Fill ``tree`` with the payload; return the absolute paths to bind inside."""
     (tree / "bin").mkdir(parents=True)
-    shutil.copy2(TINI, tree / "bin/tini")
+    # The guest image's initramfs hands over to the tools drive's PID 1 by this name.
+    shutil.copy2(STATIC_INIT, tree / "bin/catatonit")
     shutil.copy2(HERE / "init.sh", tree / "bin/aenv-init")
     (tree / "bin/aenv-init").chmod(0o755)
     shutil.copy2(HERE / "agent.py", tree / "agent.py")
