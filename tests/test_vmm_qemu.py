@@ -24,7 +24,6 @@ import signal
 import stat
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -1047,37 +1046,6 @@ def _file_only_confinement(tmp_path: Path, data: Path) -> Confinement:
         memory_overhead_mib=256,
         pids_max=512,
     )
-
-
-async def test_a_vmm_started_where_one_was_killed_waits_for_its_jail_to_go(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A killed VMM's jail tree and cgroup go in the background (its cgroup stays busy
-    for a moment); a VMM started in the same directory reuses both names, so it waits
-    for that removal, and only that one."""
-    data, files, workdir = _jail_dirs(tmp_path)
-    jail = VmmJail(_file_only_confinement(tmp_path, data), 2_000_000_001, workdir)
-    confinement = jail.confinement
-    jail.build(_plain_spec(files, memory_file=workdir / "ram"))
-    removing, go_on = threading.Event(), threading.Event()
-    real_cleanup = VmmJail.cleanup
-
-    def held_cleanup(self: VmmJail, wait_s: float = 0.5) -> None:
-        removing.set()
-        go_on.wait(30)
-        real_cleanup(self, 0)
-
-    monkeypatch.setattr(VmmJail, "cleanup", held_cleanup)
-    confinement.release_later(jail)
-    waiting = asyncio.ensure_future(confinement.released(workdir))
-    assert await asyncio.to_thread(removing.wait, 30)
-    await asyncio.sleep(0.1)
-    assert not waiting.done() and jail.root.exists()
-    await asyncio.wait_for(confinement.released(data / "sandboxes" / "s2"), 5)
-    go_on.set()
-    await asyncio.wait_for(waiting, 30)
-    assert not jail.root.exists()
-    await asyncio.wait_for(confinement.released(workdir), 5)  # nothing left to wait for
 
 
 def test_jail_tree_is_traversable_under_the_servers_umask(tmp_path: Path) -> None:

@@ -26,9 +26,7 @@ data directory (the guest image cache) stay visible as the host has them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import stat
@@ -39,8 +37,6 @@ from agentenv.storage.images import backing_file
 from agentenv.vmm.base import MachineSpec
 from agentenv.vmm.cgroups import CgroupError, CgroupLimits, VmmCgroups
 from agentenv.vmm.launch import Credentials, Jail, LaunchError, find_launcher
-
-log = logging.getLogger("agentenv.vmm")
 
 #: ``oom_score_adj`` of every VMM: killed before anything else on the host.
 VMM_OOM_SCORE_ADJ = 1000
@@ -80,9 +76,6 @@ class Confinement:
     pids_max: int
     oom_score_adj: int = VMM_OOM_SCORE_ADJ
     _device_groups: tuple[int, ...] | None = field(default=None, repr=False)
-    # Jails and cgroups of VMMs just killed, being removed off the caller's path, by
-    # cgroup name (see release_later).
-    _releasing: dict[str, asyncio.Future[None]] = field(default_factory=dict, repr=False)
 
     @property
     def gid(self) -> int:
@@ -150,31 +143,6 @@ class Confinement:
 
     def jail_for(self, spec: MachineSpec, workdir: Path) -> VmmJail:
         return VmmJail(self, self.uid_for(spec), workdir)
-
-    def release_later(self, jail: VmmJail) -> None:
-        """Remove the jail tree and cgroup of a VMM that has exited, in the background:
-        a cgroup stays busy for a few milliseconds after its last process is reaped, which
-        a pause or a kill would otherwise wait out. A VMM started later in the same
-        directory waits for it first (:meth:`released`), since it reuses both names."""
-        name = jail.cgroup_name
-        removal = asyncio.ensure_future(asyncio.to_thread(jail.cleanup))
-        self._releasing[name] = removal
-
-        def forget(done: asyncio.Future[None]) -> None:
-            if self._releasing.get(name) is done:
-                del self._releasing[name]
-            if not done.cancelled() and done.exception() is not None:
-                log.warning("removing the jail of %s failed: %s", name, done.exception())
-
-        removal.add_done_callback(forget)
-
-    async def released(self, workdir: Path) -> None:
-        """Wait until the jail and cgroup of the last VMM that ran in ``workdir`` are
-        gone, if their removal is still running."""
-        removal = self._releasing.get(VmmCgroups.name_for(workdir))
-        if removal is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(removal)
 
 
 def grant(path: Path, uid: int, gid: int, *, writable: bool, private: bool) -> None:

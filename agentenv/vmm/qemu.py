@@ -439,7 +439,6 @@ class QemuDriver(VMMDriver):
         # Booting VMMs run their guest at once and join before exec.
         join_later: tuple[Path, ...] = ()
         if self.confinement is not None:
-            await self.confinement.released(workdir)
             jail = self.confinement.jail_for(spec, workdir)
             try:
                 launch_spec, cgroups = self._confine(launch_spec, spec, jail, socket_path)

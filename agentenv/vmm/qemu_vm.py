@@ -394,8 +394,7 @@ class QemuVM(VirtualMachine):
         await self._process.kill()
         await self._disconnect()
         remove_socket(self._socket_path)
-        if self._jail is not None and not self._process.alive():
-            self._jail.confinement.release_later(self._jail)
+        await self._release_confinement()
 
     async def _release_confinement(self) -> None:
         """Once the process is gone: its jail tree and cgroup go too."""
