@@ -115,7 +115,7 @@ class Lifecycle:
         boot_timeout: float,
         memory: MemoryBudget,
         mode: Mode,
-        envd_init_timeout: float = 30.0,
+        envd_init_timeout: float,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.envd_init_timeout = envd_init_timeout
