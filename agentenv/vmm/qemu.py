@@ -213,6 +213,9 @@ class QemuDriver(VMMDriver):
             f"memory-backend-file,id=mem0,size={mem},mem-path={_opt_path(spec.memory_file)},"
             f"share={share}",
             "-nodefaults", "-no-user-config", "-display", "none",
+            # Threads named for what they run ("CPU 0/TCG", "worker"), so a VMM that
+            # wakes too often can be traced to the thread doing it.
+            "-name", "debug-threads=on",
             # The guest asks for a reboot on panic; -no-reboot turns that into an exit,
             # so a crashed sandbox is seen as dead instead of silently rebooting.
             "-no-reboot",
