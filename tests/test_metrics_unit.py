@@ -13,7 +13,12 @@ import httpx
 import pytest
 
 from agentenv.orchestrator.errors import SandboxNotFound
-from agentenv.orchestrator.metrics import GUEST_SAMPLE_INTERVAL_S, GuestSample, MetricsHistory
+from agentenv.orchestrator.metrics import (
+    GUEST_SAMPLE_INTERVAL_S,
+    GUEST_SAMPLE_MAX_AGE_S,
+    GuestSample,
+    MetricsHistory,
+)
 from agentenv.orchestrator.states import SandboxState
 from agentenv.orchestrator.store import SandboxEvent, Store, utcnow
 from agentenv.vmm.base import GuestMemory, VirtualMachine
@@ -121,13 +126,42 @@ class _MeteredVM:
         self.cpu = 100.0
         self.memory: GuestMemory | None = GuestMemory(512 * MIB, 384 * MIB, 32 * MIB)
         self.asked_every: list[float] = []
+        self.writes: int | None = None  # the VMM does not count drive writes
 
     def cpu_seconds(self) -> float:
         return self.cpu
 
+    async def disk_writes(self) -> int | None:
+        return self.writes
+
     async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
         self.asked_every.append(report_every_s)
         return self.memory
+
+
+class _Sampler:
+    """A history over one fake-envd sandbox and a :class:`_MeteredVM`, on a fake clock."""
+
+    def __init__(self, node: Node, sandbox_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.node, self.sandbox_id = node, sandbox_id
+        self.vm = _MeteredVM()
+        self.clock = 1000.0
+        monkeypatch.setattr(time, "monotonic", lambda: self.clock)
+        orch = node.orchestrator
+        self.history = MetricsHistory(
+            orch.store, orch.http, lambda _: cast(VirtualMachine, self.vm), interval_s=5
+        )
+
+    def guest_asked(self) -> int:
+        return sum(r.path == "/metrics" for r in self.node.envd.requests)
+
+    async def sample(self, after_s: float, cpu_s: float = 0.0) -> dict[str, object]:
+        self.clock += after_s
+        self.vm.cpu += cpu_s
+        await self.history.sample([await self.node.orchestrator.get_settled(self.sandbox_id)])
+        latest = self.history.latest(self.sandbox_id)
+        assert latest is not None
+        return latest.figures
 
 
 async def test_samples_between_guest_ones_are_measured_on_the_host(
@@ -136,23 +170,8 @@ async def test_samples_between_guest_ones_are_measured_on_the_host(
     orch = node.orchestrator
     sandbox_id = (await orch.create(FAKE_TEMPLATE)).sandbox_id
     view = await orch.get_settled(sandbox_id)
-    vm = _MeteredVM()
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    history = MetricsHistory(
-        orch.store, orch.http, lambda _: cast(VirtualMachine, vm), interval_s=5
-    )
-
-    def guest_asked() -> int:
-        return sum(r.path == "/metrics" for r in node.envd.requests)
-
-    async def sample(after_s: float, cpu_s: float = 0.0) -> dict[str, object]:
-        clock[0] += after_s
-        vm.cpu += cpu_s
-        await history.sample([view])
-        latest = history.latest(sandbox_id)
-        assert latest is not None
-        return latest.figures
+    sampler = _Sampler(node, sandbox_id, monkeypatch)
+    vm, guest_asked, sample = sampler.vm, sampler.guest_asked, sampler.sample
 
     asked = guest_asked()
     first = await sample(0)
@@ -182,3 +201,30 @@ async def test_samples_between_guest_ones_are_measured_on_the_host(
     vm.memory = None
     await sample(5)
     assert guest_asked() == asked + 4
+
+
+async def test_envd_is_asked_for_disk_figures_only_after_drive_writes(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox_id = (await node.orchestrator.create(FAKE_TEMPLATE)).sandbox_id
+    sampler = _Sampler(node, sandbox_id, monkeypatch)
+    sampler.vm.writes = 7
+    asked = sampler.guest_asked()
+    await sampler.sample(0)
+    assert sampler.guest_asked() == asked + 1
+    # Due, but the guest wrote nothing: the disk figures still hold, envd sleeps on.
+    for _ in range(3):
+        figures = await sampler.sample(GUEST_SAMPLE_INTERVAL_S)
+        assert figures["disk_used"] == 300 * MIB
+    assert sampler.guest_asked() == asked + 1
+    # A write: envd is asked at the next due sample, not before.
+    sampler.vm.writes = 8
+    await sampler.sample(5)
+    assert sampler.guest_asked() == asked + 1
+    await sampler.sample(GUEST_SAMPLE_INTERVAL_S)
+    assert sampler.guest_asked() == asked + 2
+    # Without writes, envd's figures are still renewed once they reach the maximum age.
+    await sampler.sample(GUEST_SAMPLE_MAX_AGE_S - 1)
+    assert sampler.guest_asked() == asked + 2
+    await sampler.sample(1)
+    assert sampler.guest_asked() == asked + 3

@@ -4,13 +4,16 @@ life, so ``GET /sandboxes/{id}/metrics?start=&end=`` answers a time window as E2
 
 Most samples do not wake a guest program. An envd ``/metrics`` request costs an idle guest
 about 20 ms of the node's CPU under TCG (35-40 ms with its TCP connection), which at E2B's
-interval was most of what an idle sandbox cost. So envd is asked only for a sandbox's first
-sample and then every :data:`GUEST_SAMPLE_INTERVAL_S` (its disk figures need the guest's
-filesystem); in between, the host measures: CPU use is the VMM's CPU time over the
-interval, per vCPU (so it includes what emulating the guest costs: what the sandbox costs
-the node), memory is what the guest kernel's balloon driver reports by itself, and disk is
-carried from the last envd sample. A VMM without balloon statistics is asked through envd
-every time.
+interval was most of what an idle sandbox cost. So envd is asked for a sandbox's first
+sample, and afterwards only for its disk figures, which need the guest's filesystem: at
+most every :data:`GUEST_SAMPLE_INTERVAL_S`, and only if the guest has written to its drives
+since envd's last sample (the VMM counts the writes), or :data:`GUEST_SAMPLE_MAX_AGE_S` has
+passed (a guest may keep written data in its page cache for a while before it reaches the
+drive). In between, the host measures: CPU use is the VMM's CPU time over the interval, per
+vCPU (so it includes what emulating the guest costs: what the sandbox costs the node),
+memory is what the guest kernel's balloon driver reports by itself, and disk is carried
+from the last envd sample. A VMM without balloon statistics is asked through envd every
+time; one that does not count writes, every :data:`GUEST_SAMPLE_INTERVAL_S`.
 
 Owns the samples (in memory: a restart of the server starts the history again). Asks
 the envd and the VMM of the running sandboxes it is given; changes nothing else.
@@ -41,8 +44,11 @@ SAMPLE_INTERVAL_S = 5.0
 SAMPLE_TIMEOUT_S = 3.0
 #: Samples kept per sandbox: a day at the interval, E2B's longest sandbox life.
 MAX_SAMPLES = int(24 * 3600 / SAMPLE_INTERVAL_S)
-#: How often envd itself is asked (for the disk figures) once the host can measure the rest.
+#: How often envd itself is asked at most (for the disk figures) once the host can measure
+#: the rest, if the guest has written to its drives.
 GUEST_SAMPLE_INTERVAL_S = 60.0
+#: How old envd's disk figures may grow when the guest has written nothing to its drives.
+GUEST_SAMPLE_MAX_AGE_S = 600.0
 MIB = 1024 * 1024
 
 
@@ -54,7 +60,9 @@ class _HostBaseline:
     cpu_seconds: float
     at: float  # time.monotonic()
     disk: dict[str, object]  # disk_used and disk_total from envd's last sample
-    guest_sampled_at: float  # time.monotonic()
+    guest_sampled_at: float  # time.monotonic() of envd's last sample
+    disk_writes: int | None  # the VMM's count of the guest's drive writes before it
+    disk_checked_at: float  # when the disk figures were last found current
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,8 @@ class MetricsHistory:
         self, view: SandboxView, vm: VirtualMachine | None
     ) -> dict[str, object] | None:
         """envd's sample, which also starts the host's measurements of the sandbox."""
+        # Counted before envd is asked: a write while it answers is seen by the next check.
+        writes = await self._disk_writes(view, vm) if vm is not None else None
         try:
             figures = await envd_client.metrics(
                 self._http, view.guest_address, view.record.envd_token, timeout=SAMPLE_TIMEOUT_S
@@ -147,9 +157,32 @@ class MetricsHistory:
                     key: figures[key] for key in ("disk_used", "disk_total") if key in figures
                 }
                 self._baselines[view.sandbox_id] = _HostBaseline(
-                    vm.pid, cpu_seconds, now, disk, now
+                    vm.pid, cpu_seconds, now, disk, now, writes, now
                 )
         return figures
+
+    async def _disk_writes(self, view: SandboxView, vm: VirtualMachine) -> int | None:
+        try:
+            return await vm.disk_writes()
+        except VMMError as exc:
+            log.debug("no drive write count of %s: %s", view.sandbox_id, exc)
+            return None
+
+    async def _disk_figures_current(self, view: SandboxView, base: _HostBaseline) -> bool:
+        """Whether envd's disk figures in ``base`` still hold: not yet due, or due while
+        the guest has written nothing to its drives since (then they are renewed)."""
+        now = time.monotonic()
+        if now - base.guest_sampled_at >= GUEST_SAMPLE_MAX_AGE_S:
+            return False
+        if now - base.disk_checked_at < GUEST_SAMPLE_INTERVAL_S:
+            return True
+        if base.disk_writes is None:
+            return False
+        vm = self._machine_of(view.sandbox_id)
+        if vm is None or await self._disk_writes(view, vm) != base.disk_writes:
+            return False
+        base.disk_checked_at = now
+        return True
 
     async def _host_figures(
         self, view: SandboxView, vm: VirtualMachine
@@ -162,7 +195,7 @@ class MetricsHistory:
         if (
             base is None
             or base.vmm_pid != vm.pid
-            or now - base.guest_sampled_at >= GUEST_SAMPLE_INTERVAL_S
+            or not await self._disk_figures_current(view, base)
         ):
             return None
         try:

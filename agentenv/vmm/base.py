@@ -373,6 +373,12 @@ class VirtualMachine(ABC):
         guest's first report; :class:`VMMError` if the VMM cannot be asked."""
         return None
 
+    async def disk_writes(self) -> int | None:
+        """Write and discard requests the guest has made to its drives so far, as this VMM
+        process counts them; None where the VMM does not count them. Unchanged counts
+        mean the guest's filesystems are as they were, without asking the guest."""
+        return None
+
     @abstractmethod
     async def wait_exit(self) -> VMMExit:
         """Wait until the VMM process has exited, whatever the cause (a :meth:`kill` of

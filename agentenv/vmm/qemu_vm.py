@@ -448,6 +448,13 @@ class QemuVM(VirtualMachine):
             cached_bytes=max(0, int(stats.get("stat-disk-caches", 0))),
         )
 
+    async def disk_writes(self) -> int | None:
+        writes = 0
+        for device in await self.execute("query-blockstats"):
+            stats = device.get("stats", {})
+            writes += int(stats.get("wr_operations", 0)) + int(stats.get("unmap_operations", 0))
+        return writes
+
     async def _find_balloon(self) -> str | None:
         """The QOM path of the balloon device (added without an id: build_argv)."""
         parent = "/machine/peripheral-anon"
