@@ -758,3 +758,21 @@ async def test_scheduler_metrics_count_placements_and_nodes() -> None:
         ("status", "200"),
     )
     assert got[("aenv_http_request_duration_seconds_count", heartbeats)] == 1
+
+
+async def test_scheduler_health_tells_only_the_key_holder_what_it_knows() -> None:
+    reg = registry(Clock(), overcommit=4.0)
+    app = create_scheduler_app(reg, KEY)
+    scheduler = SchedulerClient("http://scheduler.test", KEY, transport=httpx.ASGITransport(app))
+    await scheduler.heartbeat(report("a"))
+    await scheduler.aclose()
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://scheduler.test"
+    ) as client:
+        anonymous = await client.get("/health")
+        wrong = await client.get("/health", headers={"X-API-Key": "nope"})
+        holder = await client.get("/health", headers={"X-API-Key": KEY})
+    assert anonymous.status_code == 200
+    assert anonymous.json() == {"status": "ok", "version": __version__}
+    assert wrong.status_code == 401
+    assert holder.json() == {"status": "ok", "version": __version__, "nodes": 1, "discovered": 0}

@@ -170,10 +170,14 @@ def create_scheduler_app(
         return _error(503, str(exc))
 
     @app.get("/health")
-    async def health() -> dict[str, object]:
-        return {
-            "status": "ok",
-            "version": __version__,
+    async def health(x_api_key: Annotated[str | None, Header()] = None) -> dict[str, object]:
+        # Probes ask without the key and learn that it answers; how many nodes it knows
+        # is for the key holder, as on the nodes and the gateway.
+        answer: dict[str, object] = {"status": "ok", "version": __version__}
+        if x_api_key is None:
+            return answer
+        await require_api_key(x_api_key)
+        return answer | {
             "nodes": len(registry.states_seen()),
             "discovered": len(registry.discovered()),
         }
