@@ -26,9 +26,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from agentenv.storage.clone import supports_reflink
 from agentenv.vmm.base import (
     DiskCapture,
     DriveSpec,
@@ -504,6 +506,62 @@ async def test_snapshot_and_restore_with_new_drives_and_tap(
     await running.kill()
     assert read_cmdline(paused.pid) == [] and read_cmdline(running.pid) == []
     assert _sha256(snap.memory_file) == ram_image
+
+
+@pytest.mark.vm
+async def test_diff_snapshot_over_the_previous_image_equals_a_full_one(
+    driver: FirecrackerDriver,
+    guest_kernel: Path,
+    test_root: Path,
+    vms: list[FirecrackerVM],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root = Path(tempfile.mkdtemp(prefix="fc-diff-", dir=test_root))
+    if not supports_reflink(root):
+        pytest.skip(f"{root} cannot reflink (scripts/test puts AENV_TEST_DIR on XFS)")
+    spec = _spec(root, guest_kernel)
+    vm = await driver.boot(spec, root / "w1")
+    vms.append(vm)
+    first = await vm.save_state(root / "a")
+    await vm.kill()
+    assert first.memory_file is not None
+    first_image = _sha256(first.memory_file)
+
+    restored = await driver.restore(spec, first, root / "w2")
+    vms.append(restored)
+    kinds: list[str] = []
+    call = restored.call
+
+    async def spied(method: str, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
+        if path == "/snapshot/create" and body is not None:
+            kinds.append(body["snapshot_type"])
+        return await call(method, path, body, **kw)
+
+    monkeypatch.setattr(restored, "call", spied)
+    await asyncio.sleep(1)  # the guest runs on, where it can, and writes to its RAM
+    # Only the pages written since the restore, over a reflink of the restored image.
+    diff = await restored.save_state(root / "b")
+    assert diff.memory_file is not None
+    diff_image = _sha256(diff.memory_file)
+    # That image is now what the dirty pages count from; once it is gone the next
+    # snapshot writes everything. The machine stayed paused, so both hold the same RAM.
+    diff.memory_file.unlink()
+    full = await restored.save_state(root / "c")
+    assert full.memory_file is not None
+    assert kinds == ["Diff", "Full"]
+    assert _sha256(full.memory_file) == diff_image
+    assert _sha256(first.memory_file) == first_image  # the restore's image is untouched
+    # A restored handle knows its base again after a server restart (the record).
+    again = await restored.save_state(root / "d")
+    await restored.close()
+    adopted = await driver.attach(root / "w2")
+    vms.append(adopted)
+    call = adopted.call
+    monkeypatch.setattr(adopted, "call", spied)
+    assert again.memory_file is not None
+    assert _sha256((await adopted.save_state(root / "e")).memory_file or root) == diff_image
+    assert kinds == ["Diff", "Full", "Diff", "Diff"]
+    await adopted.kill()
 
 
 @pytest.mark.vm

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -72,10 +73,13 @@ from agentenv.vmm.console import CONSOLE_LIMIT_BYTES, bound_console
 from agentenv.vmm.firecracker_api import API_TIMEOUT_S, FirecrackerAPI
 from agentenv.vmm.firecracker_binary import find_firecracker
 from agentenv.vmm.firecracker_jail import FirecrackerJail, FirecrackerJailError
+from agentenv.vmm.firecracker_memory import DiffBase, seed_diff_target
 from agentenv.vmm.launch import LaunchSpec, launch
 from agentenv.vmm.process import VMMProcess, read_cmdline
 
 __all__ = ["FirecrackerAPI", "FirecrackerDriver", "FirecrackerVM", "find_firecracker"]
+
+log = logging.getLogger("agentenv.vmm")
 
 API_SOCKET = "fc.sock"
 LOG_FILE = "fc.log"
@@ -261,6 +265,7 @@ class FirecrackerVM(VirtualMachine):
         state: VMRunState,
         jail: FirecrackerJail | None = None,
         console_limit: int | None = None,
+        diff_base: DiffBase | None = None,
     ) -> None:
         self.workdir = workdir
         # The orchestrator reads every VM's spec (VirtualMachine.spec), e.g. to flush
@@ -273,6 +278,8 @@ class FirecrackerVM(VirtualMachine):
         self._tap = tap
         self._state = state
         self._jail = jail
+        # The RAM image the guest's dirty pages are counted from (firecracker_memory).
+        self._diff_base = diff_base
         # After close() the process is no longer watched; this handle must not touch it.
         self._closed = False
         self._console_task: asyncio.Task[None] | None = None
@@ -344,13 +351,16 @@ class FirecrackerVM(VirtualMachine):
             written = {tmp: f"{out}/{tmp.name}" for tmp in written}
         produced = [self._jail.host(inside) for inside in written.values()] if self._jail else []
         leftovers = [tmp_state, tmp_memory, *produced]
+        base, self._diff_base = self._diff_base, None  # until this snapshot has succeeded
         try:
             version = (await self.call("GET", "/version")).get("firecracker_version", "")
+            memory_target = produced[1] if self._jail else tmp_memory
+            kind = "Diff" if await self._seed_diff(base, memory_target) else "Full"
             await self.call(
                 "PUT",
                 "/snapshot/create",
                 {
-                    "snapshot_type": "Full",
+                    "snapshot_type": kind,
                     "snapshot_path": written[tmp_state],
                     "mem_file_path": written[tmp_memory],
                 },
@@ -363,14 +373,17 @@ class FirecrackerVM(VirtualMachine):
             # From here an older state file next to the new RAM image would be a mismatch.
             leftovers += [memory_file, state_file]
             os.replace(tmp_state, state_file)
+            self._diff_base = DiffBase.of(memory_file)
         except BaseException as exc:
             _remove(leftovers)
+            self._record_quietly()
             if was_running and self._process.alive():
                 with contextlib.suppress(VMMError):
                     await self.resume()
             if isinstance(exc, FirecrackerJailError):
                 raise VMMCommandError(f"snapshot/create: {exc}") from exc
             raise
+        self._record_quietly()
         return SnapshotFiles(
             driver=FirecrackerDriver.name,
             accel="kvm",
@@ -379,6 +392,26 @@ class FirecrackerVM(VirtualMachine):
             shape=dict(self._shape),
             meta={"firecracker_version": version, "tap": self._tap},
         )
+
+    async def _seed_diff(self, base: DiffBase | None, target: Path) -> bool:
+        """Whether a diff snapshot can be written to ``target``: ``base`` is still the
+        image the dirty pages are counted from, and ``target`` was made a reflink of it."""
+        if base is None or not base.usable(self.spec.memory_mib << 20):
+            return False
+        owner = self._jail.owner(self.spec) if self._jail is not None else None
+        try:
+            return await asyncio.to_thread(seed_diff_target, base, target, owner)
+        except OSError as exc:
+            log.warning("full snapshot instead of a diff over %s: %s", base.path, exc)
+            return False
+
+    def _record_quietly(self) -> None:
+        """:meth:`write_record` where a failure must not fail the caller (the record
+        only speeds up a later snapshot of a re-adopted process)."""
+        try:
+            self.write_record()
+        except OSError as exc:
+            log.warning("firecracker record in %s not updated: %s", self.workdir, exc)
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Send Ctrl+Alt+Del (Firecracker exits when the guest then resets through the
@@ -439,6 +472,7 @@ class FirecrackerVM(VirtualMachine):
             # What the process's command line holds (checked on attach: pids are reused).
             "cmdline": self._jail.markers() if self._jail else [str(self._api.socket_path)],
             "jailed": self._jail is not None,
+            "diff_base": self._diff_base.to_dict() if self._diff_base else None,
         }
         tmp = self.workdir / f".{VM_RECORD}.tmp"
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
@@ -503,7 +537,12 @@ class FirecrackerDriver(VMMDriver):
             await vm.call(
                 "PUT",
                 "/machine-config",
-                {"vcpu_count": spec.vcpus, "mem_size_mib": spec.memory_mib},
+                {
+                    "vcpu_count": spec.vcpus,
+                    "mem_size_mib": spec.memory_mib,
+                    # So that snapshots after the first write only what the guest changed.
+                    "track_dirty_pages": True,
+                },
             )
             jailed = vm._jail is not None
             boot_source: dict[str, Any] = {
@@ -577,13 +616,14 @@ class FirecrackerDriver(VMMDriver):
         body: dict[str, Any] = {
             "snapshot_path": state_arg,
             "mem_backend": {"backend_type": "File", "backend_path": memory_arg},
-            "enable_diff_snapshots": False,
+            "enable_diff_snapshots": True,
             "resume_vm": resume,
         }
         if spec.net is not None:
             body["network_overrides"] = [{"iface_id": NET_IFACE_ID, "host_dev_name": spec.net.tap}]
         try:
             await vm.call("PUT", "/snapshot/load", body, read_timeout=SNAPSHOT_TIMEOUT_S)
+            vm._diff_base = DiffBase.of(memory_file)
             vm._state = VMRunState.RUNNING if resume else VMRunState.PAUSED
             vm.write_record()
         except BaseException:
@@ -613,6 +653,7 @@ class FirecrackerDriver(VMMDriver):
             state=VMRunState.STARTING,
             jail=jail,
             console_limit=self.console_limit,
+            diff_base=DiffBase.from_dict(record.get("diff_base")),
         )
         try:
             info = await vm.describe()

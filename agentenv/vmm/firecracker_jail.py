@@ -155,6 +155,10 @@ class FirecrackerJail:
             *firecracker_args,
         ]
 
+    def owner(self, spec: MachineSpec) -> tuple[int, int]:
+        """The uid and gid the VMM of ``spec`` runs as: files it must write are theirs."""
+        return self.confinement.uid_for(spec), self.confinement.gid
+
     def markers(self) -> list[str]:
         """Arguments the jailed Firecracker's command line holds (the jailer passes the
         id), by which a restarted server recognises it."""
