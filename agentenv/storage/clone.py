@@ -82,6 +82,29 @@ def clone_file_sync(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
     return linked
 
 
+def reflink_file_sync(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
+    """Make ``dest`` a reflink of ``source``, atomically, and return True; or return
+    False, leaving ``dest`` as it was, where the filesystem cannot share extents (no
+    copy: for callers to whom a clone is only worth its constant time)."""
+    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(source, "rb") as src:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            try:
+                linked = _reflink_fd(src.fileno(), fd)
+            finally:
+                os.close(fd)
+        if linked:
+            os.replace(tmp, dest)
+            return True
+    except OSError as exc:
+        raise CloneError(exc.errno, f"reflinking {source} to {dest} failed: {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return False
+
+
 async def clone_file(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
     """:func:`clone_file_sync` off the event loop (a copy, or the writeback a reflink of a
     dirty file forces, can take long)."""

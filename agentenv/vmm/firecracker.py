@@ -334,8 +334,8 @@ class FirecrackerDriver(VMMDriver):
             body["network_overrides"] = [{"iface_id": NET_IFACE_ID, "host_dev_name": spec.net.tap}]
         try:
             await vm.call("PUT", "/snapshot/load", body, read_timeout=SNAPSHOT_TIMEOUT_S)
-            state = VMRunState.RUNNING if resume else VMRunState.PAUSED
-            vm.started(state, DiffBase.of(memory_file))
+            await vm.track_dirty_pages_from(memory_file)
+            vm.started(VMRunState.RUNNING if resume else VMRunState.PAUSED)
         except BaseException:
             await vm.kill()
             raise

@@ -39,7 +39,7 @@ from agentenv.vmm.base import (
 from agentenv.vmm.console import bound_console
 from agentenv.vmm.firecracker_api import API_TIMEOUT_S, FirecrackerAPI
 from agentenv.vmm.firecracker_jail import FirecrackerJail, FirecrackerJailError
-from agentenv.vmm.firecracker_memory import DiffBase, seed_diff_target
+from agentenv.vmm.firecracker_memory import DiffBase, keep_diff_base, seed_diff_target
 from agentenv.vmm.process import VMMProcess
 
 log = logging.getLogger("agentenv.vmm")
@@ -54,6 +54,8 @@ CONSOLE_FILE = "console.log"
 VM_RECORD = "vm.json"
 STATE_FILE = "state.fc"
 MEMORY_FILE = "memory.fc"
+# The machine's reflink of the RAM image its dirty pages count from (firecracker_memory).
+DIFF_BASE_FILE = "memory-base.fc"
 
 START_TIMEOUT_S = 10.0
 # Writing or mapping the RAM image scales with guest memory and disk speed.
@@ -243,7 +245,7 @@ class FirecrackerVM(VirtualMachine):
             # From here an older state file next to the new RAM image would be a mismatch.
             leftovers += [memory_file, state_file]
             os.replace(tmp_state, state_file)
-            self._diff_base = DiffBase.of(memory_file)
+            await self.track_dirty_pages_from(memory_file)
         except BaseException as exc:
             _remove(leftovers)
             self._record_quietly()
@@ -375,12 +377,22 @@ class FirecrackerVM(VirtualMachine):
             if await self._process.wait(0.005):
                 raise VMMStartError(f"firecracker exited while starting\n{log_tail(self.workdir)}")
 
-    def started(self, state: VMRunState, diff_base: DiffBase | None = None) -> None:
-        """The guest was started or loaded into ``state``, its dirty pages counted from
-        ``diff_base`` (a loaded snapshot's RAM image); recorded for re-adoption."""
+    def started(self, state: VMRunState) -> None:
+        """The guest was started or loaded into ``state``; recorded for re-adoption."""
         self._state = state
-        self._diff_base = diff_base
         self.write_record()
+
+    async def track_dirty_pages_from(self, image: Path) -> None:
+        """``image`` is the RAM image the guest's dirty pages now count from (the one
+        it was loaded from, or its latest snapshot's): the next snapshot is a diff over
+        the machine's own reflink of it, where the filesystem can make one."""
+        try:
+            self._diff_base = await asyncio.to_thread(
+                keep_diff_base, image, self.workdir / DIFF_BASE_FILE
+            )
+        except OSError as exc:
+            log.warning("the next snapshot in %s is a full one: %s", self.workdir, exc)
+            self._diff_base = None
 
     async def take_reported_state(self) -> None:
         """Adopt the run state the process reports (a machine found after a restart)."""
