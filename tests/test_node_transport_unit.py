@@ -66,6 +66,11 @@ class RecordingNode:
             for _ in range(64):
                 await send({"type": "http.response.body", "body": b"l" * 65536, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
+        elif path == "/big-head":
+            # Over aiohttp's defaults (8190 bytes a header, 128 headers), under 16 KiB.
+            head = [(b"x-big", b"b" * 9000)] + [(b"x-%d" % i, b"v") for i in range(200)]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": b"big"})
         elif path == "/broken":
             head = [(b"content-length", b"100")]
             await send({"type": "http.response.start", "status": 200, "headers": head})
@@ -126,6 +131,9 @@ async def test_answers_come_back_as_the_node_sent_them_and_no_cookie_is_kept(
     await answer.aclose()
     await (await send(transport, "GET", f"{url}/plain")).aread()
     assert b"cookie" not in [k for k, _ in app.seen[-1]["headers"]]
+    big = await send(transport, "GET", f"{url}/big-head")
+    assert big.headers["x-big"] == "b" * 9000 and big.headers["x-199"] == "v"
+    assert await big.aread() == b"big"
 
 
 async def test_bodies_stream_both_ways_unbuffered(

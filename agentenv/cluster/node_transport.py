@@ -24,6 +24,11 @@ import httpx
 from multidict import CIMultiDict
 from yarl import URL
 
+# aiohttp's parser refuses a head line or header over 8190 bytes and more than 128
+# headers; httpcore (h11) took any head up to 16 KiB. A node's answer relayed before is
+# relayed still.
+_MAX_FIELD_BYTES = 64 * 1024
+_MAX_HEADERS = 1024
 # Headers aiohttp would add to a request that lacks them; a relayed request has what its
 # client sent and no more.
 _NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
@@ -57,6 +62,9 @@ class AiohttpNodeTransport(httpx.AsyncBaseTransport):
                 skip_auto_headers=_NO_AUTO_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=None),
                 trust_env=False,
+                max_line_size=_MAX_FIELD_BYTES,
+                max_field_size=_MAX_FIELD_BYTES,
+                max_headers=_MAX_HEADERS,
             )
         return self._session
 
