@@ -61,6 +61,7 @@ from agentenv.cluster.listing import (
     sandbox_key,
 )
 from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
+from agentenv.cluster.node_transport import AiohttpNodeTransport
 from agentenv.cluster.scheduler_client import (
     SchedulerClient,
     SchedulerRefused,
@@ -146,13 +147,10 @@ class Gateway:
         )
         # What https:// nodes are verified with, for HTTP and WebSockets alike.
         self.node_tls: ssl.SSLContext = client_context(ca_file)
-        # One connection pool for every node. Relayed requests go to it directly
-        # (``traffic``); what the gateway asks nodes itself goes through a client on it.
-        self.transport = transport or httpx.AsyncHTTPTransport(
-            verify=self.node_tls,
-            trust_env=False,
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
-        )
+        # One connection pool for every node (aiohttp's, see ``node_transport``). Relayed
+        # requests go to it directly (``traffic``); what the gateway asks nodes itself
+        # goes through a client on it.
+        self.transport = transport or AiohttpNodeTransport(self.node_tls)
         self.http = httpx.AsyncClient(
             trust_env=False, timeout=NODE_TIMEOUT, transport=self.transport
         )

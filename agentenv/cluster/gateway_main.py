@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for noisy in ("httpx", "httpcore"):
+    for noisy in ("httpx", "httpcore", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     gateway = Gateway(
         SchedulerClient(args.scheduler, api_key, ca_file=args.ca_file),

@@ -3,9 +3,10 @@ headers but the connection's, body streamed), the node's answer relayed back as 
 arrives, and a WebSocket relayed to the node's proxy.
 
 Every proxied request pays for what is done here, so it is kept short (``bench/cluster.py``
-measures it): requests go straight to the connection pool (``httpx`` transports), without
-the client layer's cookie jar, redirects and auth (a shared cookie jar would also hand one
-sandbox's cookies to requests for another); the node's response head is passed on as raw
+measures it): requests go straight to the connection pool (an ``httpx`` transport with
+aiohttp's pool under it, ``node_transport``), without the client layer's cookie jar,
+redirects and auth (a shared cookie jar would also hand one sandbox's cookies to requests
+for another); the node's response head is passed on as raw
 header pairs (repeated ones such as ``Set-Cookie`` kept), with its ``Content-Length`` when
 it has one, so the client's answer is not re-chunked (one write fewer, and a body the node
 breaks off ends the client's connection instead of looking complete).
