@@ -65,14 +65,17 @@ async def guest(*ports: int) -> AsyncIterator[list[tuple[int, str, dict[str, obj
 
 async def test_init_goes_to_the_control_port() -> None:
     async with guest(ENVD_PORT, ENVD_CONTROL_PORT) as seen, httpx.AsyncClient() as client:
-        await envd_client.init(client, GUEST, env_vars={"A": "1"}, access_token="tok")
+        attempts = await envd_client.init(client, GUEST, env_vars={"A": "1"}, access_token="tok")
+    assert attempts == 1
     assert [(port, line) for port, line, _ in seen] == [(ENVD_CONTROL_PORT, "POST /init HTTP/1.1")]
     assert seen[0][2]["accessToken"] == "tok" and seen[0][2]["envVars"] == {"A": "1"}
 
 
 async def test_an_envd_without_a_control_port_gets_its_legacy_init() -> None:
     async with guest(ENVD_PORT) as seen, httpx.AsyncClient() as client:
-        await envd_client.init(client, GUEST, env_vars={}, access_token="tok")
+        attempts = await envd_client.init(client, GUEST, env_vars={}, access_token="tok")
+    # The refused control port, then the public one.
+    assert attempts == 2
     assert [(port, line) for port, line, _ in seen] == [(ENVD_PORT, "POST /init HTTP/1.1")]
 
 

@@ -72,10 +72,11 @@ async def init(
     env_vars: Mapping[str, str],
     access_token: str | None,
     timeout: float = 30.0,
-) -> None:
+) -> int:
     """Hand a freshly restored guest its identity: environment, token, a clock set from
     the host (the snapshot's clock is stale) and fresh entropy (every restore of one
-    snapshot starts with the same RNG state).
+    snapshot starts with the same RNG state). Returns how many requests it took (the
+    first can race the guest's network coming back).
 
     ``timeout`` is generous: a guest answers in a few hundred milliseconds alone, but
     sixteen fork children restoring at once on a busy 2-core TCG host took over 10 s, and
@@ -89,7 +90,9 @@ async def init(
         body["accessToken"] = access_token
     deadline = time.monotonic() + timeout
     url = init_url(address)
+    attempts = 0
     while True:
+        attempts += 1
         try:
             response = await client.post(url, json=body, timeout=5.0)
         except httpx.HTTPError as exc:
@@ -113,7 +116,7 @@ async def init(
             await asyncio.sleep(0.02)
             continue
         if response.is_success:
-            return
+            return attempts
         raise EnvdUnreachable(f"envd /init answered {response.status_code}: {response.text}")
 
 
