@@ -27,6 +27,11 @@ from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 log = logging.getLogger("agentenv.orchestrator")
 
 
+# How long /init waits for the guest to take its connection; once taken, the request is
+# given whatever is left of the whole /init timeout to be answered.
+INIT_CONNECT_TIMEOUT_S = 5.0
+
+
 class EnvdUnreachable(Exception):
     """envd did not answer in time."""
 
@@ -93,8 +98,15 @@ async def init(
     attempts = 0
     while True:
         attempts += 1
+        # A guest that took the request is not asked again: sent anew after a read
+        # timeout, the (busy) guest did the work twice. With 16 fork children on a
+        # loaded 2-core TCG host, half their /inits took over 5 s, the read timeout this
+        # used to have, and were sent two or three times.
+        remaining = max(deadline - time.monotonic(), INIT_CONNECT_TIMEOUT_S)
         try:
-            response = await client.post(url, json=body, timeout=5.0)
+            response = await client.post(
+                url, json=body, timeout=httpx.Timeout(INIT_CONNECT_TIMEOUT_S, read=remaining)
+            )
         except httpx.HTTPError as exc:
             if url == init_url(address) and _refused(exc):
                 # The guest answered, but nothing listens on the control port: an envd
