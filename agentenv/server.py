@@ -30,6 +30,7 @@ from agentenv.vmm.base import VMMDriver
 from agentenv.vmm.cgroups import CgroupError, VmmCgroups, favor_dynamic_moves
 from agentenv.vmm.firecracker import FirecrackerDriver
 from agentenv.vmm.firecracker_binary import find_firecracker, find_jailer
+from agentenv.vmm.launch import start_vmms_without_huge_pages
 from agentenv.vmm.qemu import QemuDriver
 
 log = logging.getLogger("agentenv.server")
@@ -291,6 +292,11 @@ def main(argv: list[str] | None = None) -> None:
         app, orchestrator, _ = build_app(config)
     except (NodeSetupError, ConfigError) as exc:
         sys.exit(f"aenv-server: {exc}")
+    if orchestrator.driver.name == QemuDriver.name and orchestrator.accel == "tcg":
+        # Before the first VMM starts (the orchestrator starts them once serving).
+        thp_problem = start_vmms_without_huge_pages()
+        if thp_problem:
+            log.warning("%s (TCG's translation cache takes 2 MiB at a time)", thp_problem)
     print(banner(config, orchestrator), flush=True)
     uvicorn.run(
         app,

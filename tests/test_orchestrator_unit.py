@@ -406,9 +406,9 @@ async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPat
     gate = asyncio.Event()
     real_init = envd_client.init
 
-    async def gated_init(*args: Any, **kwargs: Any) -> None:
+    async def gated_init(*args: Any, **kwargs: Any) -> int:
         await gate.wait()
-        await real_init(*args, **kwargs)
+        return await real_init(*args, **kwargs)
 
     monkeypatch.setattr(envd_client, "init", gated_init)
     inits_before = len(node.envd.inits())

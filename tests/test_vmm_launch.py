@@ -372,3 +372,24 @@ async def test_binds_are_seen_by_the_vmm_only(tmp_path: Path) -> None:
     assert "Read-only" in (tmp_path / "err.log").read_text()
     assert (tmp_path / "target").read_text() == "" and (tmp_path / "src").read_text() == "bound\n"
     assert str(tmp_path) not in Path("/proc/self/mounts").read_text()
+
+
+def test_vmms_started_after_turning_huge_pages_off_inherit_it() -> None:
+    """The server turns transparent huge pages off for itself under TCG so its VMMs
+    start without them: run in a fresh interpreter (the flag would stay on pytest's own
+    process), whose child ``cat`` reads its own status after exec."""
+    script = (
+        "import subprocess\n"
+        "from agentenv.vmm.launch import start_vmms_without_huge_pages\n"
+        "assert start_vmms_without_huge_pages() is None\n"
+        "print(subprocess.run(['cat', '/proc/self/status'], capture_output=True, text=True,"
+        " check=True).stdout)\n"
+    )
+    before = subprocess.run(
+        ["cat", "/proc/self/status"], capture_output=True, text=True, check=True
+    ).stdout
+    after = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert "THP_enabled:\t1" in before
+    assert "THP_enabled:\t0" in after

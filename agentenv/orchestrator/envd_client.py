@@ -27,6 +27,11 @@ from agentenv.network.addresses import ENVD_CONTROL_PORT, ENVD_PORT
 log = logging.getLogger("agentenv.orchestrator")
 
 
+# How long /init waits for the guest to take its connection; once taken, the request is
+# given whatever is left of the whole /init timeout to be answered.
+INIT_CONNECT_TIMEOUT_S = 5.0
+
+
 class EnvdUnreachable(Exception):
     """envd did not answer in time."""
 
@@ -72,10 +77,11 @@ async def init(
     env_vars: Mapping[str, str],
     access_token: str | None,
     timeout: float = 30.0,
-) -> None:
+) -> int:
     """Hand a freshly restored guest its identity: environment, token, a clock set from
     the host (the snapshot's clock is stale) and fresh entropy (every restore of one
-    snapshot starts with the same RNG state).
+    snapshot starts with the same RNG state). Returns how many requests it took (the
+    first can race the guest's network coming back).
 
     ``timeout`` is generous: a guest answers in a few hundred milliseconds alone, but
     sixteen fork children restoring at once on a busy 2-core TCG host took over 10 s, and
@@ -89,9 +95,18 @@ async def init(
         body["accessToken"] = access_token
     deadline = time.monotonic() + timeout
     url = init_url(address)
+    attempts = 0
     while True:
+        attempts += 1
+        # A guest that took the request is not asked again: sent anew after a read
+        # timeout, the (busy) guest did the work twice. With 16 fork children on a
+        # loaded 2-core TCG host, half their /inits took over 5 s, the read timeout this
+        # used to have, and were sent two or three times.
+        remaining = max(deadline - time.monotonic(), INIT_CONNECT_TIMEOUT_S)
         try:
-            response = await client.post(url, json=body, timeout=5.0)
+            response = await client.post(
+                url, json=body, timeout=httpx.Timeout(INIT_CONNECT_TIMEOUT_S, read=remaining)
+            )
         except httpx.HTTPError as exc:
             if url == init_url(address) and _refused(exc):
                 # The guest answered, but nothing listens on the control port: an envd
@@ -113,7 +128,7 @@ async def init(
             await asyncio.sleep(0.02)
             continue
         if response.is_success:
-            return
+            return attempts
         raise EnvdUnreachable(f"envd /init answered {response.status_code}: {response.text}")
 
 

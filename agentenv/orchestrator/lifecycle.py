@@ -568,17 +568,20 @@ class Lifecycle:
         new sandbox's, whose envd has no token of its own yet (a resumed one keeps the
         token it was paused with), so if it fails the sandbox is refused traffic."""
 
+        what = "start" if first else "resume"
+
         async def init() -> None:
+            phases = PhaseTimer()
             try:
-                await envd_client.init(
+                attempts = await envd_client.init(
                     self.http,
                     guest_address,
                     env_vars=rec.env_vars,
                     access_token=rec.envd_token,
                     timeout=self.envd_init_timeout,
                 )
+                phases.mark("init")
             except Exception as exc:
-                what = "start" if first else "resume"
                 log.error("sandbox %s: envd /init after %s failed: %s", rec.sandbox_id, what, exc)
                 if first:
                     self._envd_failed[rec.sandbox_id] = str(exc)
@@ -586,6 +589,15 @@ class Lifecycle:
             finally:
                 if self._settling.get(rec.sandbox_id) is task:
                     del self._settling[rec.sandbox_id]
+            # Traffic to the sandbox waited for this: after a fork of many children
+            # it is where their time goes (the guests' first work under TCG).
+            log.info(
+                "sandbox %s: envd /init after %s in %s, %d request(s)",
+                rec.sandbox_id,
+                what,
+                phases,
+                attempts,
+            )
             self._envd_failed.pop(rec.sandbox_id, None)
             rec.envd_pending = None
             try:

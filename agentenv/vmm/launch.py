@@ -36,6 +36,7 @@ With none of these set the VMM is executed directly, as root, exactly as before.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -143,6 +144,25 @@ class LaunchSpec:
     binds: tuple[Bind, ...] = ()
     restricted_root: bool = False
     deny_hole_punching: bool = False
+
+
+# prctl(2): the "no transparent huge pages" flag, inherited across fork and kept by execve.
+_PR_SET_THP_DISABLE = 41
+
+
+def start_vmms_without_huge_pages() -> str | None:
+    """Turn transparent huge pages off for this process, and so for every VMM it starts
+    from now on (children inherit the flag). QEMU asks for huge pages for TCG's
+    translation cache, so each 2 MiB of it became resident at its first write: measured
+    with 16 fork children answering a command, 6 forks interleaved on two servers, 2.1
+    MiB less PSS per child at the median (65.5 against 67.6 MiB) and 5 % less VMM CPU
+    (0.75 against 0.79 s), the huge pages' zeroing no longer paid. Under KVM it changes nothing here: QEMU's
+    guest RAM is a file mapping, which gets no transparent huge pages. Returns why it
+    could not, or None."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        return f"cannot turn transparent huge pages off: {os.strerror(ctypes.get_errno())}"
+    return None
 
 
 LAUNCHER_NAME = "agentenv-launch"
