@@ -156,9 +156,9 @@ def start_vmms_without_huge_pages() -> str | None:
     translation cache, so each 2 MiB of it became resident at its first write: measured
     with 16 fork children answering a command, 6 forks interleaved on two servers, 2.1
     MiB less PSS per child at the median (65.5 against 67.6 MiB) and 5 % less VMM CPU
-    (0.75 against 0.79 s), the huge pages' zeroing no longer paid. Under KVM it changes nothing here: QEMU's
-    guest RAM is a file mapping, which gets no transparent huge pages. Returns why it
-    could not, or None."""
+    (0.75 against 0.79 s), the huge pages' zeroing no longer paid. Under KVM it changes
+    nothing here: QEMU's guest RAM is a file mapping, which gets no transparent huge
+    pages. Returns why it could not, or None."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
         return f"cannot turn transparent huge pages off: {os.strerror(ctypes.get_errno())}"
