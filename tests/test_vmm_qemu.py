@@ -311,9 +311,15 @@ async def test_attach_without_record_is_gone(tmp_path: Path) -> None:
 
 
 def _chain(tmp_path: Path, delay: float, argv: list[str]) -> subprocess.Popen[bytes]:
-    """A process shaped like a launch chain: a shell that execs ``argv`` after ``delay``."""
+    """A process shaped like a launch chain: a shell that execs ``argv`` after ``delay``.
+    Returned once the shell runs: until its exec the child shows this test's command
+    line, which no stray search would recognise (a loaded host makes that gap long)."""
     script = f'sleep {delay}; exec "$@"'
-    return subprocess.Popen(["/bin/sh", "-c", script, "agentenv-launch", *argv], cwd=tmp_path)
+    chain = subprocess.Popen(["/bin/sh", "-c", script, "agentenv-launch", *argv], cwd=tmp_path)
+    deadline = time.monotonic() + 30
+    while read_cmdline(chain.pid)[:1] != ["/bin/sh"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return chain
 
 
 async def test_attach_waits_for_a_launch_chain_to_exec(tmp_path: Path) -> None:
