@@ -2,8 +2,8 @@
 ``scripts/kvm-host`` (as a user would), and the smoke (:mod:`tests.kvm.smoke`: the real
 server, the unmodified ``e2b`` SDK) runs in it once per mode, followed against the same
 server by the rest of the core the mode supports (:mod:`tests.kvm.core`: pause and
-connect, snapshot, PTY, kill -9 of the server and re-adoption, a template build; with
-Firecracker also a fork of 4).
+connect, snapshot, a fork of 4, PTY, kill -9 of the server and re-adoption, a template
+build).
 
 Skipped, with the reason, only where this machine's QEMU does not emulate SVM with nested
 paging; anything else that keeps the host from booting or KVM from working fails.
