@@ -40,7 +40,7 @@ MODES: dict[str, dict[str, str]] = {
 # QEMU's fork of 4 runs too: it failed nested runs while a QMP connect attempt was cut
 # off after 2 s (fixed); of the full core runs with it since, one lost the sandbox of the
 # template built afterwards (its QEMU exited 0 with nothing on the console, cause not
-# found: see README, KVM hosts); the next four lost none (three passed, one missed a
+# found: see README, KVM hosts); the next five lost none (four passed, one missed a
 # 180 s command deadline after kill -9 at a load average of 40-45). A VMM's unexpected
 # exit now names QEMU's reason (guest-reset, guest-shutdown...) in the server log.
 CORE_STEPS: dict[str, tuple[str, ...]] = {
