@@ -80,6 +80,11 @@ async def test_a_process_exit_is_reported_without_polling(tmp_path: Path) -> Non
     assert VMMExit(7, -9, "").describe() == "pid 7 was killed by signal 9 (SIGKILL)"
     assert VMMExit(7, 1, "").describe() == "pid 7 exited with status 1"
     assert "status unknown" in VMMExit(7, None, "").describe()
+    assert VMMExit(7, 0, "", "guest-reset").describe() == (
+        "pid 7 exited with status 0 (the guest reset: a reboot it asked for, or a triple "
+        "fault: guest-reset)"
+    )
+    assert VMMExit(7, 0, "", "something-new").describe().endswith("(the VMM said: something-new)")
 
 
 async def test_a_crashed_vmm_leaves_a_filesystem_pause(

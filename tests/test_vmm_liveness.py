@@ -108,6 +108,27 @@ def test_killed_vmm_becomes_a_filesystem_pause(liveness_server: ServerProcess) -
     wait_until(lambda: _consistent(srv), "nothing left of the sandbox", 10)
 
 
+def test_a_guest_reset_is_named_as_such(liveness_server: ServerProcess) -> None:
+    """A guest that resets (here an immediate reboot through sysrq, as a triple fault
+    does) ends its QEMU with status 0 (-no-reboot), as a power-off would: the warning
+    names the reason QEMU gave, so the two are told apart."""
+    srv = liveness_server
+    sandbox_id, pid = _sandbox_with_marker(srv, "before-reset")
+    reboot = "(sleep 1; echo b > /proc/sysrq-trigger) >/dev/null 2>&1 &"
+    assert run_command(srv.url, sandbox_id, reboot, user="root").exit_code == 0
+    with srv.client() as c:
+        _wait_paused(c, sandbox_id)
+        assert c.get(f"/sandboxes/{sandbox_id}").json()["pauseMode"] == "filesystem"
+    log = srv.log_path.read_text(errors="replace")
+    assert (
+        f"sandbox {sandbox_id}: its VMM pid {pid} exited with status 0 (the guest reset: "
+        "a reboot it asked for, or a triple fault: guest-reset)"
+    ) in log
+    with srv.client() as c:
+        assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+    wait_until(lambda: _consistent(srv), "nothing left of the sandbox", 10)
+
+
 def test_requests_right_after_the_kill_answer_4xx(liveness_server: ServerProcess) -> None:
     srv = liveness_server
     sandbox_id, pid = _sandbox_with_marker(srv, "raced")

@@ -231,23 +231,41 @@ class VMMExit:
     """How a VMM process ended, as far as this server can tell: its exit status (the
     ``Popen`` convention: negative for the signal that killed it) when it was this
     server's child, else None (a process adopted from a previous server cannot be
-    waited for), and the tail of its logs (VMM output and guest console)."""
+    waited for), the tail of its logs (VMM output and guest console), and why the VMM
+    said it stopped when it said so (QEMU's ``SHUTDOWN`` event: ``guest-reset``,
+    ``guest-shutdown``, ``guest-panic``, ``host-signal``...). A guest that resets exits
+    its VMM with status 0 (``-no-reboot``), as a clean shutdown does; only the reason
+    tells a triple fault or reboot from a power-off."""
 
     pid: int
     returncode: int | None
     log_tail: str
+    reason: str | None = None
 
     def describe(self) -> str:
         if self.returncode is None:
-            return f"pid {self.pid} exited (status unknown: started by a previous server)"
-        if self.returncode < 0:
+            said = f"pid {self.pid} exited (status unknown: started by a previous server)"
+        elif self.returncode < 0:
             number = -self.returncode
             try:
                 name = signal.Signals(number).name
             except ValueError:
                 name = "unknown signal"
-            return f"pid {self.pid} was killed by signal {number} ({name})"
-        return f"pid {self.pid} exited with status {self.returncode}"
+            said = f"pid {self.pid} was killed by signal {number} ({name})"
+        else:
+            said = f"pid {self.pid} exited with status {self.returncode}"
+        if self.reason is None:
+            return said
+        return f"{said} ({_EXIT_REASONS.get(self.reason, 'the VMM said')}: {self.reason})"
+
+
+# What a VMM's stated reason means to whoever reads the warning.
+_EXIT_REASONS = {
+    "guest-reset": "the guest reset: a reboot it asked for, or a triple fault",
+    "guest-shutdown": "the guest powered off",
+    "guest-panic": "the guest kernel panicked",
+    "host-signal": "a signal on the host stopped it",
+}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from qemu.qmp import ExecuteError, QMPError
+from qemu.qmp import EventListener, ExecuteError, QMPError
 
 from agentenv.vmm.base import (
     DriveSpec,
@@ -40,6 +40,9 @@ from agentenv.vmm.confine import ConfinementError, VmmJail
 from agentenv.vmm.console import bound_console
 from agentenv.vmm.process import VMMProcess
 
+#: How long an exit's report waits for QEMU's SHUTDOWN event (read from the QMP socket,
+#: which may lag the pidfd's word that the process is gone).
+SHUTDOWN_EVENT_WAIT_S = 1.0
 #: The driver's name, recorded in snapshots it takes.
 DRIVER_NAME = "qemu"
 CONSOLE_LOG = "console.log"
@@ -221,6 +224,11 @@ class QemuVM(VirtualMachine):
         self._socket_path = socket_path
         self._jail = jail
         self._closed = False
+        # QEMU says why it stops before it exits (SHUTDOWN's reason): what tells a guest
+        # reset (a triple fault; -no-reboot makes it an exit with status 0) from a
+        # power-off or a signal, where the guest's console says nothing.
+        self._shutdowns = EventListener("SHUTDOWN")
+        qmp.register_listener(self._shutdowns)
         self._console_task: asyncio.Task[None] | None = None
         if console_limit is not None:
             self._console_task = asyncio.get_running_loop().create_task(
@@ -466,7 +474,22 @@ class QemuVM(VirtualMachine):
     async def wait_exit(self) -> VMMExit:
         returncode = await self._process.exited()
         tail = await asyncio.to_thread(logs_tail, self.workdir, EXIT_LOG_TAIL_BYTES)
-        return VMMExit(self.pid, returncode, tail)
+        return VMMExit(self.pid, returncode, tail, await self._shutdown_reason(returncode))
+
+    async def _shutdown_reason(self, returncode: int | None) -> str | None:
+        """The reason of QEMU's last SHUTDOWN event. A QEMU that exited by itself sent
+        it before exiting, but the pidfd may say so before the event is read: it is
+        waited for a moment. None after a SIGKILL (QEMU says nothing then)."""
+        deadline = asyncio.get_running_loop().time() + SHUTDOWN_EVENT_WAIT_S
+        while not self._shutdowns.history:
+            if (returncode is not None and returncode < 0) or self._closed:
+                return None
+            if asyncio.get_running_loop().time() > deadline:
+                return None
+            await asyncio.sleep(0.02)
+        data = self._shutdowns.history[-1].get("data", {})
+        reason = data.get("reason") if isinstance(data, dict) else None
+        return str(reason) if reason else None
 
     async def close(self) -> None:
         await self._disconnect()

@@ -37,12 +37,12 @@ MODES: dict[str, dict[str, str]] = {
 }
 # Firecracker's raw drives are copied (reflinked) while the machine is paused for its
 # snapshot (``DiskCapture.COPY``), so it runs snapshot, fork and a template build too.
-# QEMU's fork of 4 is left out (``--core fork`` runs it). It failed two nested runs in
-# three while a QMP connect attempt was cut off after 2 s (a child's restore lost its
-# QMP connection, "Disconnected"); since one attempt may take the whole deadline it
-# passed 4 of 4, but in the one full core run with it the sandbox started from the
-# template built afterwards died at once (its QEMU exited 0: a guest reset), not seen
-# without it, cause not found.
+# QEMU's fork of 4 is left out (``--core`` with ``fork`` runs it). It failed nested runs
+# while a QMP connect attempt was cut off after 2 s (fixed); of the seven full core runs
+# with it since, one lost the sandbox of the template built afterwards (its QEMU exited 0
+# with nothing on the console: a guest reset, cause not found, see README, KVM hosts).
+# In CI that would fail one run in seven. A VMM's unexpected exit now names QEMU's
+# reason (guest-reset, guest-shutdown...) in the server log.
 CORE_STEPS: dict[str, tuple[str, ...]] = {
     "firecracker": ("pause-connect", "snapshot", "fork", "pty", "kill9", "template"),
     "qemu-kvm": ("pause-connect", "snapshot", "pty", "kill9", "template"),
