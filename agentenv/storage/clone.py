@@ -60,49 +60,43 @@ def _sparse_copy_fd(src_fd: int, dst_fd: int, size: int) -> None:
         offset = hole
 
 
-def clone_file_sync(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
-    """Make ``dest`` a copy of ``source``, atomically (a temporary name is renamed into
-    place, so ``dest`` is never half-written). Returns True for a reflink, False for a
-    copy."""
+def _clone(source: Path, dest: Path, mode: int, *, copy: bool) -> bool:
+    """Make ``dest`` a reflink of ``source`` (or, with ``copy``, a sparse copy where it
+    cannot be one) under a temporary name renamed into place, so ``dest`` is never
+    half-written. Returns whether it is a reflink; without ``copy``, False leaves ``dest``
+    as it was."""
     tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
     try:
         with open(source, "rb") as src:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             try:
                 linked = _reflink_fd(src.fileno(), fd)
-                if not linked:
+                if not linked and copy:
                     _sparse_copy_fd(src.fileno(), fd, os.fstat(src.fileno()).st_size)
             finally:
                 os.close(fd)
-        os.replace(tmp, dest)
+        if linked or copy:
+            os.replace(tmp, dest)
     except OSError as exc:
+        raise CloneError(exc.errno, f"cloning {source} to {dest} failed: {exc}") from exc
+    finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        raise CloneError(exc.errno, f"cloning {source} to {dest} failed: {exc}") from exc
     return linked
+
+
+def clone_file_sync(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
+    """Make ``dest`` a copy of ``source``, atomically (a temporary name is renamed into
+    place, so ``dest`` is never half-written). Returns True for a reflink, False for a
+    copy."""
+    return _clone(source, dest, mode, copy=True)
 
 
 def reflink_file_sync(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
     """Make ``dest`` a reflink of ``source``, atomically, and return True; or return
     False, leaving ``dest`` as it was, where the filesystem cannot share extents (no
     copy: for callers to whom a clone is only worth its constant time)."""
-    tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(source, "rb") as src:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-            try:
-                linked = _reflink_fd(src.fileno(), fd)
-            finally:
-                os.close(fd)
-        if linked:
-            os.replace(tmp, dest)
-            return True
-    except OSError as exc:
-        raise CloneError(exc.errno, f"reflinking {source} to {dest} failed: {exc}") from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    return False
+    return _clone(source, dest, mode, copy=False)
 
 
 async def clone_file(source: Path, dest: Path, *, mode: int = 0o600) -> bool:
