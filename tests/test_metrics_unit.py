@@ -3,6 +3,7 @@ fake VMs and a fake envd (no VMs; the SDK's view is tests/e2b/test_sdk_metrics.p
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -228,3 +229,29 @@ async def test_envd_is_asked_for_disk_figures_only_after_drive_writes(
     assert sampler.guest_asked() == asked + 2
     await sampler.sample(1)
     assert sampler.guest_asked() == asked + 3
+
+
+class _StuckVM(_MeteredVM):
+    """A VMM that never answers for its balloon (its monitor busy elsewhere)."""
+
+    async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
+        await asyncio.Event().wait()
+        return None
+
+
+async def test_a_stuck_sandbox_holds_back_no_other_sample(node: Node) -> None:
+    orch = node.orchestrator
+    stuck_id = (await orch.create(FAKE_TEMPLATE)).sandbox_id
+    fine_id = (await orch.create(FAKE_TEMPLATE)).sandbox_id
+    machines = {stuck_id: _StuckVM(), fine_id: _MeteredVM()}
+    history = MetricsHistory(
+        orch.store,
+        orch.http,
+        lambda sandbox_id: cast(VirtualMachine, machines[sandbox_id]),
+        interval_s=0.2,
+    )
+    views = [await orch.get_settled(stuck_id), await orch.get_settled(fine_id)]
+    # Bounded by the interval: the tick ends, with the answering sandbox's sample.
+    await asyncio.wait_for(history.sample(views), 10)
+    assert history.latest(fine_id) is not None
+    assert history.latest(stuck_id) is None

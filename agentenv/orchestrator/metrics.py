@@ -119,8 +119,18 @@ class MetricsHistory:
         return samples[-1] if samples else None
 
     async def sample(self, running: list[SandboxView]) -> None:
-        """One sample of each of the ``running`` sandboxes, all at once."""
-        await asyncio.gather(*(self._sample(view) for view in running))
+        """One sample of each of the ``running`` sandboxes, all at once. A sandbox whose
+        sample takes longer than the interval (its envd or VMM slow to answer) goes
+        without this one rather than holding back the next samples of every sandbox."""
+        await asyncio.gather(*(self._bounded_sample(view) for view in running))
+
+    async def _bounded_sample(self, view: SandboxView) -> None:
+        try:
+            await asyncio.wait_for(self._sample(view), self._interval_s)
+        except TimeoutError:
+            log.debug(
+                "no metrics sample of %s: not taken within %s s", view.sandbox_id, self._interval_s
+            )
 
     async def _sample(self, view: SandboxView) -> None:
         vm = self._machine_of(view.sandbox_id)
