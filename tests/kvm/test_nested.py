@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ START_TIMEOUT = 1800
 SMOKE_TIMEOUT = 1800
 
 pytestmark = [pytest.mark.vm, pytest.mark.kvm]
+
+#: What the test host's own kernel prints on its console when it dies.
+HOST_KERNEL_DIED = ("Oops:", "Kernel panic", "stack corrupted")
 
 
 def kvm_host(state: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -71,8 +75,8 @@ def test_kvm_is_live_inside(host: Path) -> None:
     assert kvm_host(host, "run", "--", "sh", "-c", "exit 7", timeout=300).returncode == 7
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_smoke(host: Path, mode: str) -> None:
+def _smoke(host: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run the smoke of ``mode`` in the host: its process and its result lines."""
     result = kvm_host(
         host,
         "run",
@@ -86,8 +90,30 @@ def test_smoke(host: Path, mode: str) -> None:
         timeout=SMOKE_TIMEOUT + 120,
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("SMOKE-RESULT ")]
+    return result, lines
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_smoke(host: Path, mode: str) -> None:
+    result, lines = _smoke(host, mode)
     # The host's console says why, when the host itself went away mid-run.
     console = console_tail(HostPaths(host))
+    if not lines and any(sign in console for sign in HOST_KERNEL_DIED):
+        # The test host's own kernel died, not agentenv: the host runs under the outer
+        # QEMU's emulated SVM (TCG), and once, in a full-suite run, its kernel oopsed in
+        # its idle task ("Thread overran stack, or stack corrupted") after every
+        # Firecracker step had passed. The host is started afresh and the mode runs once
+        # more; a second death, or any failure of agentenv's, fails the test.
+        warnings.warn(
+            f"the KVM test host's kernel died during the {mode} smoke; it is restarted "
+            f"for one more run. Its console:\n{console}",
+            stacklevel=1,
+        )
+        kvm_host(host, "stop", timeout=120)
+        started = kvm_host(host, "start", timeout=START_TIMEOUT)
+        assert started.returncode == 0, f"kvm-host start failed:\n{started.stderr[-4000:]}"
+        result, lines = _smoke(host, mode)
+        console = console_tail(HostPaths(host))
     assert lines, (
         f"no smoke result (exit {result.returncode}):\n{result.stderr[-4000:]}\n"
         f"host console:\n{console}"
