@@ -178,7 +178,9 @@ class MetricsHistory:
             log.debug("no drive write count of %s: %s", view.sandbox_id, exc)
             return None
 
-    async def _disk_figures_current(self, view: SandboxView, base: _HostBaseline) -> bool:
+    async def _disk_figures_current(
+        self, view: SandboxView, vm: VirtualMachine, base: _HostBaseline
+    ) -> bool:
         """Whether envd's disk figures in ``base`` still hold: not yet due, or due while
         the guest has written nothing to its drives since (then they are renewed)."""
         now = time.monotonic()
@@ -188,8 +190,7 @@ class MetricsHistory:
             return True
         if base.disk_writes is None:
             return False
-        vm = self._machine_of(view.sandbox_id)
-        if vm is None or await self._disk_writes(view, vm) != base.disk_writes:
+        if await self._disk_writes(view, vm) != base.disk_writes:
             return False
         base.disk_checked_at = now
         return True
@@ -205,7 +206,7 @@ class MetricsHistory:
         if (
             base is None
             or base.vmm_pid != vm.pid
-            or not await self._disk_figures_current(view, base)
+            or not await self._disk_figures_current(view, vm, base)
         ):
             return None
         try:
