@@ -75,7 +75,7 @@ def _tail(path: Path, limit: int = 2000) -> str:
     return data[-limit:].decode("utf-8", "replace").strip()
 
 
-def log_tail(workdir: Path) -> str:
+def _log_tail(workdir: Path) -> str:
     parts = [
         f"{name}: {text}" for name in (STDERR_FILE, LOG_FILE) if (text := _tail(workdir / name))
     ]
@@ -85,7 +85,7 @@ def log_tail(workdir: Path) -> str:
 def _exit_log_tail(workdir: Path) -> str:
     """What an unexpected exit logs: the VMM's own output and the guest console's end."""
     console = _tail(workdir / CONSOLE_FILE, 1200)
-    return log_tail(workdir) + (f"\n{CONSOLE_FILE}: {console}" if console else "")
+    return _log_tail(workdir) + (f"\n{CONSOLE_FILE}: {console}" if console else "")
 
 
 def _read_stats(pid: int) -> tuple[int, int, float]:
@@ -183,7 +183,7 @@ class FirecrackerVM(VirtualMachine):
         if self._closed:
             raise VMMGone(f"handle on firecracker pid {self.pid} was closed")
         if not self._process.alive():
-            raise VMMGone(f"firecracker pid {self.pid} has exited\n{log_tail(self.workdir)}")
+            raise VMMGone(f"firecracker pid {self.pid} has exited\n{_log_tail(self.workdir)}")
         try:
             return await self._api.request(method, path, body, read_timeout=read_timeout)
         except httpx.TransportError as exc:
@@ -191,7 +191,7 @@ class FirecrackerVM(VirtualMachine):
             if await self._process.wait(0.05):
                 raise VMMGone(
                     f"firecracker pid {self.pid} exited during {method} {path}\n"
-                    f"{log_tail(self.workdir)}"
+                    f"{_log_tail(self.workdir)}"
                 ) from exc
             raise VMMCommandError(f"{method} {path}: {exc!r}") from exc
 
@@ -368,14 +368,14 @@ class FirecrackerVM(VirtualMachine):
             except (httpx.TransportError, VMMCommandError):
                 pass
             if not self._process.alive():
-                raise VMMStartError(f"firecracker exited while starting\n{log_tail(self.workdir)}")
+                raise VMMStartError(f"firecracker exited while starting\n{_log_tail(self.workdir)}")
             if time.monotonic() > deadline:
                 raise VMMStartError(
                     f"firecracker API did not come up within {START_TIMEOUT_S:.0f}s\n"
-                    f"{log_tail(self.workdir)}"
+                    f"{_log_tail(self.workdir)}"
                 )
             if await self._process.wait(0.005):
-                raise VMMStartError(f"firecracker exited while starting\n{log_tail(self.workdir)}")
+                raise VMMStartError(f"firecracker exited while starting\n{_log_tail(self.workdir)}")
 
     def started(self, state: VMRunState) -> None:
         """The guest was started or loaded into ``state``; recorded for re-adoption."""
