@@ -480,13 +480,13 @@ class QemuVM(VirtualMachine):
         """The reason of QEMU's last SHUTDOWN event. A QEMU that exited by itself sent
         it before exiting, but the pidfd may say so before the event is read: it is
         waited for a moment. None after a SIGKILL (QEMU says nothing then)."""
-        deadline = asyncio.get_running_loop().time() + SHUTDOWN_EVENT_WAIT_S
-        while not self._shutdowns.history:
-            if (returncode is not None and returncode < 0) or self._closed:
-                return None
-            if asyncio.get_running_loop().time() > deadline:
-                return None
-            await asyncio.sleep(0.02)
+        if (returncode is not None and returncode < 0) or self._closed:
+            return None
+        if not self._shutdowns.history:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._shutdowns.get(), SHUTDOWN_EVENT_WAIT_S)
+        if not self._shutdowns.history:
+            return None
         data = self._shutdowns.history[-1].get("data", {})
         reason = data.get("reason") if isinstance(data, dict) else None
         return str(reason) if reason else None
