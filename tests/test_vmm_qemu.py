@@ -44,6 +44,7 @@ from agentenv.vmm.base import (
     VMMCommandError,
     VMMGone,
     VMMStartError,
+    VMMUnresponsive,
     VMRunState,
 )
 from agentenv.vmm.cgroups import VmmCgroups
@@ -749,6 +750,32 @@ async def test_attach_after_dropping_handle(lab: Lab) -> None:
     assert vm.pid == pid
     assert vm.state is VMRunState.RUNNING
     assert vm.spec == lab.spec
+    seen = len(_ready_lines(vm.console_log))
+    await _wait_lines(vm.console_log, seen + 1)
+
+
+@vm_test
+async def test_a_save_of_a_frozen_vmm_fails_fast_and_leaves_it_running(lab: Lab) -> None:
+    # A VMM stopped with SIGSTOP (hung): the save fails once its first command goes
+    # unanswered, rather than after every rollback command has waited as long too, and
+    # the machine runs on once the VMM does.
+    await lab.vm.close()
+    vm = await QemuDriver(command_timeout=3.0).attach(lab.vm.workdir)
+    lab.vm = vm
+    await _wait_lines(vm.console_log, 1)
+    os.kill(vm.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(VMMUnresponsive, match="got no answer within 3.0s"):
+            await vm.save_state(lab.root / "snap-frozen")
+        failed_after = time.monotonic() - started
+    finally:
+        os.kill(vm.pid, signal.SIGCONT)
+    # One command's bound (3 s), not three of them as the rollback used to wait (9 s).
+    assert failed_after < 7.5, failed_after
+    assert _state_of(vm) is VMRunState.RUNNING
+    assert (await vm.execute("query-status"))["running"] is True
+    assert not list((lab.root / "snap-frozen").iterdir())
     seen = len(_ready_lines(vm.console_log))
     await _wait_lines(vm.console_log, seen + 1)
 

@@ -387,8 +387,10 @@ class Lifecycle:
             write_atomically(directory.paused_manifest, files.to_json())
         except Exception as exc:
             shutil.rmtree(dest, ignore_errors=True)
-            with contextlib.suppress(VMMError):
-                await vm.resume()
+            # Only a machine known to be stopped: a hung VMM's rollback was sent already.
+            if vm.state is VMRunState.PAUSED:
+                with contextlib.suppress(VMMError):
+                    await vm.resume()
             if announcing is not None:
                 await announcing
                 await self.sync.drop_announcement(sandbox_id)

@@ -32,6 +32,11 @@ class VMMCommandError(VMMError):
     """The VMM refused or failed a control command (QMP or API call)."""
 
 
+class VMMUnresponsive(VMMCommandError):
+    """The VMM did not answer a control command in time: hung, stopped or starved. The
+    command may still run once it answers again, in the order it was sent."""
+
+
 class VMMGone(VMMError):
     """The VMM process is no longer there."""
 

@@ -31,6 +31,7 @@ from agentenv.vmm.base import (
     VMMExit,
     VMMGone,
     VMMStartError,
+    VMMUnresponsive,
     VMRunState,
     VMStats,
     process_cpu_seconds,
@@ -193,6 +194,8 @@ class FirecrackerVM(VirtualMachine):
                     f"firecracker pid {self.pid} exited during {method} {path}\n"
                     f"{_log_tail(self.workdir)}"
                 ) from exc
+            if isinstance(exc, httpx.TimeoutException):
+                raise VMMUnresponsive(f"{method} {path}: no answer in time ({exc!r})") from exc
             raise VMMCommandError(f"{method} {path}: {exc!r}") from exc
 
     async def describe(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from agentenv.vmm.base import (
     VMMError,
     VMMExit,
     VMMGone,
+    VMMUnresponsive,
     VMRunState,
     VMStats,
     process_cpu_seconds,
@@ -43,6 +44,10 @@ from agentenv.vmm.process import VMMProcess
 #: How long an exit's report waits for QEMU's SHUTDOWN event (read from the QMP socket,
 #: which may lag the pidfd's word that the process is gone).
 SHUTDOWN_EVENT_WAIT_S = 1.0
+# How long a rollback waits for each of its commands once the VMM has stopped answering.
+# They are queued in order all the same and run when it answers again, so waiting the
+# full command timeout for each would only make the caller's error later.
+UNRESPONSIVE_ROLLBACK_WAIT_S = 1.0
 #: The driver's name, recorded in snapshots it takes.
 DRIVER_NAME = "qemu"
 CONSOLE_LOG = "console.log"
@@ -254,11 +259,17 @@ class QemuVM(VirtualMachine):
 
     # -- control -------------------------------------------------------------------------
 
-    async def execute(self, command: str, arguments: Mapping[str, object] | None = None) -> Any:
-        """Run one QMP command, translating failures into :class:`VMMError` subclasses."""
-        return await execute_qmp(
-            self._qmp, self._process, command, arguments, self._command_timeout
-        )
+    async def execute(
+        self,
+        command: str,
+        arguments: Mapping[str, object] | None = None,
+        *,
+        limit_s: float | None = None,
+    ) -> Any:
+        """Run one QMP command, translating failures into :class:`VMMError` subclasses;
+        ``limit_s`` bounds the wait for its answer (default: the command timeout)."""
+        limit = self._command_timeout if limit_s is None else limit_s
+        return await execute_qmp(self._qmp, self._process, command, arguments, limit)
 
     async def pause(self) -> None:
         await self.execute("stop")
@@ -281,6 +292,7 @@ class QemuVM(VirtualMachine):
         final, partial = _state_paths(dest)
         was_running = self._state is VMRunState.RUNNING
         ram_in_file = self.spec.memory_shared
+        stop_sent = migrate_sent = False
         try:
             version = await self.execute("query-version")
             await self.execute(
@@ -295,12 +307,14 @@ class QemuVM(VirtualMachine):
                 },
             )
             if was_running:
+                stop_sent = True
                 await self.pause()
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 await pass_fd(self._qmp, self._process, fd, "agentenv-save", self._command_timeout)
             finally:
                 os.close(fd)
+            migrate_sent = True
             await self.execute("migrate", {"uri": "fd:agentenv-save"})
             await await_migration(
                 self._qmp, self._process, self._migration_timeout, self._command_timeout
@@ -310,11 +324,9 @@ class QemuVM(VirtualMachine):
             with contextlib.suppress(FileNotFoundError):
                 partial.unlink()
             if self._process.alive():
-                with contextlib.suppress(VMMError):
-                    await self.execute("migrate_cancel")
-                if was_running:
-                    with contextlib.suppress(VMMError):
-                        await self.resume()
+                await self._roll_back_save(
+                    migrate_sent, stop_sent, unresponsive=isinstance(exc, VMMUnresponsive)
+                )
             if isinstance(exc, VMMError) or not isinstance(exc, Exception):
                 raise
             raise VMMCommandError(f"save_state failed: {exc}") from exc
@@ -456,6 +468,20 @@ class QemuVM(VirtualMachine):
             cached_bytes=max(0, int(stats.get("stat-disk-caches", 0))),
         )
 
+    async def _roll_back_save(
+        self, migrate_sent: bool, stop_sent: bool, unresponsive: bool
+    ) -> None:
+        """Undo what a failed :meth:`save_state` sent: the migration, then the stop (sent
+        even when its answer never came, since QEMU may run it later)."""
+        limit = UNRESPONSIVE_ROLLBACK_WAIT_S if unresponsive else None
+        if migrate_sent:
+            with contextlib.suppress(VMMError):
+                await self.execute("migrate_cancel", limit_s=limit)
+        if stop_sent:
+            with contextlib.suppress(VMMError):
+                await self.execute("cont", limit_s=limit)
+                self._state = VMRunState.RUNNING
+
     async def disk_writes(self) -> int | None:
         writes = 0
         for device in await self.execute("query-blockstats"):
@@ -550,7 +576,7 @@ async def execute_qmp(
     except ExecuteError as exc:
         raise VMMCommandError(f"QMP {command} failed: {exc}") from exc
     except TimeoutError as exc:
-        raise VMMCommandError(f"QMP {command} got no answer within {limit_s}s") from exc
+        raise VMMUnresponsive(f"QMP {command} got no answer within {limit_s}s") from exc
     except (QMPError, OSError, EOFError) as exc:
         # A broken connection usually means the process died: give its exit a moment to
         # be noticed so callers get VMMGone rather than a generic error.
