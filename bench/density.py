@@ -13,7 +13,8 @@ same run). Then sandboxes are created, all left idle, up to each level of ``--le
 
 A level passes when every sandbox answered within twice the single-sandbox median. The
 report names the largest level that passed and why the run stopped: the last level, a
-create the node refused (its admission control: 503/507), or a level that failed.
+create the node refused (its admission control: 503/507, set with ``--overcommit``), the
+host's available memory below ``--reserve-mib``, or a level that failed.
 
 Usage (as root):
   .venv/bin/python bench/density.py [--levels 25,50,100,200] [--json bench/results/density.json]
@@ -80,7 +81,14 @@ class Refused(Exception):
     """The node refused a create (admission control), with its answer."""
 
 
-def create(api: httpx.Client) -> tuple[str, str | None]:
+class HostFull(Exception):
+    """The host's available memory fell below the reserve the run keeps."""
+
+
+def create(api: httpx.Client, reserve_mib: int) -> tuple[str, str | None]:
+    available = meminfo()["MemAvailable"] // MIB
+    if available < reserve_mib:
+        raise HostFull(f"host has {available} MiB available, below the {reserve_mib} MiB reserve")
     response = api.post("/sandboxes", json={"templateID": "base", "timeout": 3600})
     if response.status_code in (503, 507):
         raise Refused(f"{response.status_code} {response.text[:200]}")
@@ -99,13 +107,16 @@ def echo_ms(url: str, sandbox_id: str, token: str | None) -> float:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="aenv-density-", dir=args.data_dir))
-    server = ServerProcess(home=home / "node", extra_env={"AENV_NETWORK_LINGER": "1"})
+    env = {"AENV_NETWORK_LINGER": "1"}
+    if args.overcommit is not None:
+        env["AENV_MEMORY_OVERCOMMIT"] = str(args.overcommit)
+    server = ServerProcess(home=home / "node", extra_env=env)
     levels: list[dict[str, Any]] = []
     stopped = "reached the last level"
     try:
         with live_server(server), server.client() as api:
             url = server.url
-            sandboxes: list[tuple[str, str | None]] = [create(api)]
+            sandboxes: list[tuple[str, str | None]] = [create(api, args.reserve_mib)]
             sandboxes[0] = (sandboxes[0][0], sandboxes[0][1] or envd_token(url, sandboxes[0][0]))
             time.sleep(args.settle)
             single = [echo_ms(url, *sandboxes[0]) for _ in range(args.baseline_runs)]
@@ -116,9 +127,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for level in args.levels:
                 try:
                     while len(sandboxes) < level:
-                        sandboxes.append(create(api))
+                        sandboxes.append(create(api, args.reserve_mib))
                 except Refused as refused:
                     stopped = f"the node refused sandbox {len(sandboxes) + 1}: {refused}"
+                    print(stopped)
+                    break
+                except HostFull as full:
+                    stopped = f"before sandbox {len(sandboxes) + 1}: {full}"
                     print(stopped)
                     break
                 time.sleep(args.settle)
@@ -168,6 +183,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "largest_passing": best["sandboxes"] if best else 0,
         "overcommit_at_largest": best["overcommit"] if best else 0.0,
         "stopped": stopped,
+        "node_overcommit_setting": args.overcommit,
+        "reserve_mib": args.reserve_mib,
     }
 
 
@@ -179,6 +196,18 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=10.0, help="seconds before measuring")
     parser.add_argument("--window", type=float, default=10.0, help="seconds of host CPU")
     parser.add_argument("--baseline-runs", type=int, default=15)
+    parser.add_argument(
+        "--overcommit",
+        type=float,
+        default=None,
+        help="the node's AENV_MEMORY_OVERCOMMIT (default: the node's own default)",
+    )
+    parser.add_argument(
+        "--reserve-mib",
+        type=int,
+        default=2048,
+        help="stop creating once the host has less memory available than this",
+    )
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/agentenv-bench"))
     parser.add_argument("--json", type=Path, default=Path("bench/results/density.json"))
     args = parser.parse_args()
