@@ -7,14 +7,19 @@ same run). Then sandboxes are created, all left idle, up to each level of ``--le
   host memory       MemTotal - MemAvailable, and the node's overcommit: sandboxes x guest
                     RAM / host RAM
   host CPU          % of one core used by the whole host over ``--window`` seconds
-  PSS per sandbox   the VMMs' proportional set size (shared pages split among them)
+  PSS per sandbox   the VMMs' proportional set size (shared pages split among them), and
+                    its anonymous part (QEMU's heap, translation cache, private guest
+                    pages); the rest is page cache of RAM files, which the host can
+                    write back and drop
   echo round trip   ``echo`` through the proxy in every sandbox, one after the other
                     (``bash -l -c``, as the SDK's ``commands.run``), p50 and p99
 
-A level passes when every sandbox answered within twice the single-sandbox median. The
-report names the largest level that passed and why the run stopped: the last level, a
-create the node refused (its admission control: 503/507, set with ``--overcommit``), the
-host's available memory below ``--reserve-mib``, or a level that failed.
+A level passes when every sandbox answered within twice the single-sandbox median (a
+sandbox slower than that is asked once more, and fails if slow again). The levels above a
+failing one are still measured (``--no-keep-going`` stops there). The report names the
+largest level up to which every level passed, the first level that failed, and why the
+run stopped: the last level, a create the node refused (its admission control: 503/507,
+set with ``--overcommit``), or the host's available memory below ``--reserve-mib``.
 
 Usage (as root):
   .venv/bin/python bench/density.py [--levels 25,50,100,200] [--json bench/results/density.json]
@@ -67,10 +72,11 @@ def host_cpu_percent(window: float) -> float:
     return 100.0 * cores * (busy1 - busy0) / max(1, total1 - total0)
 
 
-def pss_bytes(pid: int) -> int:
+def pss_bytes(pid: int, field: str = "Pss") -> int:
+    """``field`` (``Pss``, ``Pss_Anon``, ...) of ``pid``'s smaps_rollup; 0 if it is gone."""
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -113,6 +119,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     server = ServerProcess(home=home / "node", extra_env=env)
     levels: list[dict[str, Any]] = []
     stopped = "reached the last level"
+    failed_at: str | None = None
     try:
         with live_server(server), server.client() as api:
             url = server.url
@@ -141,7 +148,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 cpu = host_cpu_percent(args.window)
                 pids = vmm_pids(str(server.home))
                 pss = [pss_bytes(pid) for pid in pids]
-                echoes = [echo_ms(url, sandbox_id, token) for sandbox_id, token in sandboxes]
+                pss_anon = [pss_bytes(pid, "Pss_Anon") for pid in pids]
+                first = [echo_ms(url, sandbox_id, token) for sandbox_id, token in sandboxes]
+                # A sandbox slow once is asked once more: on a shared host one slow echo is
+                # as often a neighbour's burst as the level's load. Slow twice, it fails.
+                limit = 2 * single_p50
+                echoes = [
+                    ms if ms <= limit else min(ms, echo_ms(url, sandbox_id, token))
+                    for ms, (sandbox_id, token) in zip(first, sandboxes, strict=True)
+                ]
                 row = {
                     "sandboxes": len(sandboxes),
                     "vmms": len(pids),
@@ -149,31 +164,42 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "overcommit": len(sandboxes) * guest_ram / host_ram,
                     "host_cpu_pct_of_core": cpu,
                     "pss_per_sandbox_mib": sum(pss) / max(1, len(pss)) / MIB,
+                    "pss_anon_per_sandbox_mib": sum(pss_anon) / max(1, len(pss_anon)) / MIB,
                     "echo_p50_ms": statistics.median(echoes),
                     "echo_p99_ms": percentile(echoes, 0.99),
                     "echo_max_ms": max(echoes),
-                    "all_within_2x": max(echoes) <= 2 * single_p50,
+                    "slow_at_first": sum(1 for ms in first if ms > limit),
+                    "slow_twice": sum(1 for ms in echoes if ms > limit),
+                    "all_within_2x": max(echoes) <= limit,
                 }
                 levels.append(row)
                 print(
                     f"{row['sandboxes']:5d} sandboxes: host {row['host_used_mib']:6d} MiB used, "
                     f"overcommit {row['overcommit']:.2f}, CPU {cpu:6.1f} % of a core, "
-                    f"PSS {row['pss_per_sandbox_mib']:6.1f} MiB each, echo p50 "
-                    f"{row['echo_p50_ms']:.0f} ms p99 {row['echo_p99_ms']:.0f} ms"
+                    f"PSS {row['pss_per_sandbox_mib']:6.1f} MiB each "
+                    f"({row['pss_anon_per_sandbox_mib']:.1f} anonymous), echo p50 "
+                    f"{row['echo_p50_ms']:.0f} ms p99 {row['echo_p99_ms']:.0f} ms, "
+                    f"{row['slow_at_first']} slow once, {row['slow_twice']} slow twice"
                 )
-                if not row["all_within_2x"]:
-                    stopped = (
-                        f"at {level} sandboxes the slowest echo took {max(echoes):.0f} ms, "
-                        f"more than twice one sandbox's {single_p50:.0f} ms"
+                if not row["all_within_2x"] and failed_at is None:
+                    failed_at = (
+                        f"at {level} sandboxes {row['slow_twice']} sandbox(es) took more than "
+                        f"twice one sandbox's {single_p50:.0f} ms twice (slowest "
+                        f"{max(echoes):.0f} ms)"
                     )
-                    print(stopped)
-                    break
+                    print(failed_at)
+                    if not args.keep_going:
+                        break
             for sandbox_id, _ in sandboxes:
                 api.delete(f"/sandboxes/{sandbox_id}")
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    passed = [row for row in levels if row["all_within_2x"]]
-    best = passed[-1] if passed else None
+    # The largest level below which every level passed too.
+    best = None
+    for row in levels:
+        if not row["all_within_2x"]:
+            break
+        best = row
     return {
         "single_echo_ms": single,
         "single_echo_p50_ms": single_p50,
@@ -183,6 +209,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "largest_passing": best["sandboxes"] if best else 0,
         "overcommit_at_largest": best["overcommit"] if best else 0.0,
         "stopped": stopped,
+        "first_failure": failed_at,
         "node_overcommit_setting": args.overcommit,
         "reserve_mib": args.reserve_mib,
     }
@@ -196,6 +223,12 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=10.0, help="seconds before measuring")
     parser.add_argument("--window", type=float, default=10.0, help="seconds of host CPU")
     parser.add_argument("--baseline-runs", type=int, default=15)
+    parser.add_argument(
+        "--keep-going",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the levels above the first that fails (default: yes)",
+    )
     parser.add_argument(
         "--overcommit",
         type=float,
@@ -216,7 +249,7 @@ def main() -> None:
     print(
         f"largest count with every echo within 2x of one sandbox's: "
         f"{result['largest_passing']} (overcommit {result['overcommit_at_largest']:.2f}); "
-        f"stopped: {result['stopped']}"
+        f"first failure: {result['first_failure'] or 'none'}; stopped: {result['stopped']}"
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
