@@ -177,6 +177,10 @@ class Config(BaseModel):
     # sandbox is given up: generous, as guests starved of CPU (many forks at once on a
     # loaded TCG host, or nested KVM) answer late.
     envd_init_timeout: float = Field(default=30.0, gt=0)
+    # Sandboxes that may be starting at once (restore until envd's /init is done): more
+    # wait, and are refused (503) after 50 s. Fork children count one each, so it stays
+    # above the largest fork. 0: no bound (orchestrator/resources.py: StartGate).
+    max_starting: int = Field(default=24, ge=0)
     # Registries reached over plain HTTP / without TLS verification, comma-separated
     # (localhost ones always are).
     insecure_registries: str = ""

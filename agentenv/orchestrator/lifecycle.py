@@ -45,7 +45,14 @@ from agentenv.orchestrator.layout import SandboxDir, write_atomically
 from agentenv.orchestrator.machines import Machines, disk_format, volume_slots
 from agentenv.orchestrator.modes import Mode
 from agentenv.orchestrator.network_options import NetworkOptions
-from agentenv.orchestrator.resources import FilePins, MemoryBudget, NetworkLeases, Slots
+from agentenv.orchestrator.resources import (
+    FilePins,
+    MemoryBudget,
+    NetworkLeases,
+    Slots,
+    StartGate,
+    StartPlace,
+)
 from agentenv.orchestrator.sources import Source, Sources
 from agentenv.orchestrator.states import SETTLED_STATES, SandboxState
 from agentenv.orchestrator.store import SandboxRecord, Store, utcnow
@@ -114,6 +121,7 @@ class Lifecycle:
         *,
         boot_timeout: float,
         memory: MemoryBudget,
+        starts: StartGate,
         mode: Mode,
         envd_init_timeout: float,
     ) -> None:
@@ -121,6 +129,7 @@ class Lifecycle:
         self.envd_init_timeout = envd_init_timeout
         self.mode = mode
         self.memory = memory
+        self.starts = starts
         self.store = store
         self.driver = driver
         self.network = network
@@ -202,20 +211,22 @@ class Lifecycle:
         # Sources check what they resolve; fork images and build machines come here
         # directly, and a node restarted in another mode may still hold one.
         self.sources.check_mode(source)
+        background = envd_in_background and not identity.volume_mounts
         with self.memory.hold(sandbox_id, source.snapshot.memory_mib, "create"):
+            place = await self.starts.enter("create")
             slot = self.slots.reserve()
             try:
-                return await self._create(
-                    sandbox_id,
-                    source,
-                    identity,
-                    slot,
-                    timeout,
-                    private_memory,
-                    envd_in_background and not identity.volume_mounts,
+                view = await self._create(
+                    sandbox_id, source, identity, slot, timeout, private_memory, background, place
                 )
+            except BaseException:
+                place.leave()
+                raise
             finally:
                 self.slots.release(slot)
+        if not background:
+            place.leave()  # else the /init in the background gives it back
+        return view
 
     async def _create(
         self,
@@ -226,6 +237,7 @@ class Lifecycle:
         timeout: int,
         private_memory: bool,
         envd_in_background: bool,
+        place: StartPlace,
     ) -> SandboxView:
         snap = source.snapshot
         workdir = self.sandboxes_dir / sandbox_id
@@ -350,7 +362,7 @@ class Lifecycle:
         self.store.transition(sandbox_id, S.CREATING, S.RUNNING, end_at=end_at)
         rec.state, rec.end_at = S.RUNNING, end_at
         if envd_in_background:
-            self._settle(rec, net.guest_address, first=True)
+            self._settle(rec, net.guest_address, first=True, place=place)
         log.info("sandbox %s running (from %s) in %s", sandbox_id, rec.template_id, phases)
         return self.view(rec)
 
@@ -499,10 +511,15 @@ class Lifecycle:
             # own when the VMM can map one, so the next pause is a device-state save.
             memory, shared = directory.memory_file, self.driver.shared_memory_boot
             memory.unlink(missing_ok=True)
-        # No await between the check and the transition: once resuming, the record
-        # itself counts as lent RAM.
-        self.memory.admit(rec.memory_mib, "resume")
-        self.store.transition(sandbox_id, S.PAUSED, S.RESUMING)
+        place = await self.starts.enter("resume")
+        try:
+            # No await between the check and the transition: once resuming, the record
+            # itself counts as lent RAM.
+            self.memory.admit(rec.memory_mib, "resume")
+            self.store.transition(sandbox_id, S.PAUSED, S.RESUMING)
+        except BaseException:
+            place.leave()
+            raise
         vm: VirtualMachine | None = None
         try:
             vm_dir = directory.vm_dir
@@ -537,7 +554,10 @@ class Lifecycle:
                 await self.volumes.mount_in_guest(
                     self.http, net.guest_address, rec.envd_token, rec.volumes
                 )
-        except Exception as exc:
+        except BaseException as exc:
+            place.leave()
+            if not isinstance(exc, Exception):
+                raise
             if vm is not None:
                 await vm.kill()
             with contextlib.suppress(Exception):
@@ -560,15 +580,23 @@ class Lifecycle:
         rec.envd_pending = "resume"
         # The saved state is consumed: the running machine has moved on from it.
         directory.clear_paused()
-        self._settle(rec, net.guest_address)
+        self._settle(rec, net.guest_address, place=place)
         log.info("sandbox %s resumed in %s", sandbox_id, phases)
         return self.view(rec)
 
-    def _settle(self, rec: SandboxRecord, guest_address: str, *, first: bool = False) -> None:
+    def _settle(
+        self,
+        rec: SandboxRecord,
+        guest_address: str,
+        *,
+        first: bool = False,
+        place: StartPlace | None = None,
+    ) -> None:
         """Initialise envd after a restore (clock, entropy reseed, token), in the
         background; traffic to the sandbox waits for it (:meth:`settling`). ``first``: a
         new sandbox's, whose envd has no token of its own yet (a resumed one keeps the
-        token it was paused with), so if it fails the sandbox is refused traffic."""
+        token it was paused with), so if it fails the sandbox is refused traffic.
+        ``place``, the sandbox's among those starting, is given back once it is over."""
 
         what = "start" if first else "resume"
 
@@ -589,6 +617,8 @@ class Lifecycle:
                     self._envd_failed[rec.sandbox_id] = str(exc)
                 return
             finally:
+                if place is not None:
+                    place.leave()
                 if self._settling.get(rec.sandbox_id) is task:
                     del self._settling[rec.sandbox_id]
             # Traffic to the sandbox waited for this: after a fork of many children

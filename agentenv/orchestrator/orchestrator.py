@@ -61,10 +61,12 @@ from agentenv.orchestrator.network_options import NetworkOptions
 from agentenv.orchestrator.operations import SandboxOperations
 from agentenv.orchestrator.recovery import Recovery
 from agentenv.orchestrator.resources import (
+    START_WAIT_S,
     FilePins,
     MemoryBudget,
     NetworkLeases,
     Slots,
+    StartGate,
     resolve_subnet,
 )
 from agentenv.orchestrator.secrets import Secrets
@@ -217,6 +219,7 @@ class Orchestrator:
             self.volumes,
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
+            starts=StartGate(config.max_starting, START_WAIT_S),
             mode=self.mode,
             envd_init_timeout=config.envd_init_timeout,
         )

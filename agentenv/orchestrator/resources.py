@@ -2,8 +2,8 @@
 while after a pause, and the files sandboxes and snapshots depend on (pinned against
 cache eviction, collected once unused).
 
-Owns the reserved-slot set, the RAM reservations of starting sandboxes and the
-lingering-network timers. Reads records from the
+Owns the reserved-slot set, the RAM reservations and places of starting sandboxes and
+the lingering-network timers. Reads records from the
 store; changes only snapshot records it collects (deleted ones whose files go).
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,68 @@ class MemoryBudget:
             left = self._reserved.pop(sandbox_id, 0) - memory_mib
             if left > 0:
                 self._reserved[sandbox_id] = left
+
+
+#: How long a start waits for a place before it is refused: below the e2b SDK's 60 s
+#: request timeout, so the client reads why rather than timing out.
+START_WAIT_S = 50.0
+
+
+class StartPlace:
+    """One sandbox's place among those starting; :meth:`leave` gives it back (once)."""
+
+    def __init__(self, release: Callable[[], None] | None) -> None:
+        self._release = release
+
+    def leave(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class StartGate:
+    """How many sandboxes may be starting at once: from their restore until envd's /init
+    is done (``Config.max_starting``; 0: no bound).
+
+    Under TCG a restored guest runs its first code through an empty translation cache
+    (0.3-0.8 s of CPU before envd has answered /init). A create answers once the machine
+    runs, so a client creating sandboxes back to back would otherwise have every one of
+    them starting together: on a host already busy with idle sandboxes the /inits then
+    pass their deadline and those sandboxes are lost. A start waits here for a place
+    instead, and is refused (:class:`CapacityExhausted`, 503) after ``wait_s``."""
+
+    def __init__(self, places: int, wait_s: float) -> None:
+        self.places = places
+        self.wait_s = wait_s
+        self._semaphore = asyncio.Semaphore(places) if places > 0 else None
+        self._starting = 0
+        self._waiting = 0
+
+    def starting(self) -> int:
+        """Sandboxes holding a place now."""
+        return self._starting
+
+    async def enter(self, operation: str) -> StartPlace:
+        if self._semaphore is None:
+            return StartPlace(None)
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await self._semaphore.acquire()
+        except TimeoutError:
+            raise CapacityExhausted(
+                f"{operation} refused: {self.places} sandboxes are starting on this node and "
+                f"{self._waiting - 1} more wait; none finished within {self.wait_s:g} s"
+            ) from None
+        finally:
+            self._waiting -= 1
+        self._starting += 1
+        return StartPlace(self._leave)
+
+    def _leave(self) -> None:
+        assert self._semaphore is not None
+        self._starting -= 1
+        self._semaphore.release()
 
 
 class NetworkLeases:
