@@ -207,7 +207,7 @@ async def test_create_pause_resume_kill(tmp_path: Path, sandbox_memory: str) -> 
         assert node.driver.calls[-1] == ("restore", vm_dir(view))
         assert resumed.record.memory_mode == "shared"
         assert not directory.paused.exists()
-        settling = orch._lifecycle.settling(sandbox_id)
+        settling = orch._lifecycle.inits.running(sandbox_id)
         if settling is not None:
             await settling
         assert len(node.envd.inits(view.guest_address)) == 2
@@ -275,7 +275,7 @@ async def test_kill_stops_a_resumes_envd_init(node: Node) -> None:
     await orch.pause(view.sandbox_id)
     node.envd.unreachable.add(view.guest_address)
     await orch.resume(view.sandbox_id)
-    settling = orch._lifecycle.settling(view.sandbox_id)
+    settling = orch._lifecycle.inits.running(view.sandbox_id)
     assert settling is not None and not settling.done()
     await orch.kill(view.sandbox_id)
     await asyncio.wait_for(asyncio.gather(settling, return_exceptions=True), 1.0)
@@ -397,7 +397,7 @@ async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPat
     ready = await orch.ready_for_traffic(sandbox_id)
     (init,) = node.envd.inits(view.guest_address)
     assert init.json()["accessToken"] == ready.record.envd_token
-    assert orch._lifecycle.settling(sandbox_id) is None
+    assert orch._lifecycle.inits.running(sandbox_id) is None
     paused = await orch.pause(sandbox_id)
     assert paused.state == "paused"
     await orch.kill(sandbox_id)
@@ -413,14 +413,14 @@ async def test_envd_init_in_background(node: Node, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(envd_client, "init", gated_init)
     inits_before = len(node.envd.inits())
     second = await orch.create(FAKE_TEMPLATE, envd_in_background=True)
-    assert orch._lifecycle.settling(second.sandbox_id) is not None
+    assert orch._lifecycle.inits.running(second.sandbox_id) is not None
     snapshotting = asyncio.ensure_future(orch.snapshot(second.sandbox_id, "after-init"))
     await asyncio.sleep(0.2)
     assert not snapshotting.done() and len(node.envd.inits()) == inits_before
     gate.set()
     await snapshotting
     assert len(node.envd.inits()) == inits_before + 1
-    assert orch._lifecycle.settling(second.sandbox_id) is None
+    assert orch._lifecycle.inits.running(second.sandbox_id) is None
     await orch.kill(second.sandbox_id)
     monkeypatch.setattr(envd_client, "init", real_init)
 

@@ -85,7 +85,7 @@ async def test_a_create_waits_for_the_last_start_to_finish(
         await orch.pause(second_id)
         await orch.resume(second_id)
         assert gate.starting() == 1
-        settling = orch._lifecycle.settling(second_id)
+        settling = orch._lifecycle.inits.running(second_id)
         assert settling is not None
         await settling
         assert gate.starting() == 0

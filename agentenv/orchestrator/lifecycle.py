@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import sqlite3
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +33,7 @@ import httpx
 from agentenv.network import NetworkManager
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.capture import Resharing
+from agentenv.orchestrator.envd_inits import EnvdInits
 from agentenv.orchestrator.errors import (
     Conflict,
     InvalidRequest,
@@ -148,10 +148,8 @@ class Lifecycle:
         #: Whether a sandbox booted with RAM of its own gives freed pages back (set by
         #: the orchestrator at startup).
         self.report_free_pages = False
-        # envd /init after a resume, which traffic to the sandbox waits for.
-        self._settling: dict[str, asyncio.Task[None]] = {}
-        # Sandboxes whose first envd /init failed, and why (see check_envd).
-        self._envd_failed: dict[str, str] = {}
+        # envd /init after a create or resume, which traffic to the sandbox waits for.
+        self.inits = EnvdInits(store, http, envd_init_timeout)
 
     def existing(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox no operation is changing; :class:`SandboxNotFound`
@@ -163,34 +161,6 @@ class Lifecycle:
 
     def view(self, rec: SandboxRecord, children: tuple[str, ...] = ()) -> SandboxView:
         return SandboxView(rec, self.network.describe(rec.slot).guest_address, children)
-
-    def settling(self, sandbox_id: str) -> asyncio.Task[None] | None:
-        return self._settling.get(sandbox_id)
-
-    async def envd_settled(self, sandbox_id: str) -> None:
-        """Wait for envd's /init of a sandbox just started or resumed (an operation that
-        saves the machine, or talks to envd itself, must not run beside it)."""
-        settling = self._settling.get(sandbox_id)
-        if settling is None:
-            return
-        try:
-            await asyncio.shield(settling)
-        except asyncio.CancelledError:
-            # A kill cancels the /init it makes pointless; the waiter then goes on to
-            # find the sandbox gone. Only a cancellation of the waiter itself propagates.
-            if not settling.cancelled():
-                raise
-        except Exception:
-            pass  # logged by the /init task; check_envd says what it means
-
-    def check_envd(self, sandbox_id: str) -> None:
-        """:class:`OperationFailed` if the sandbox's first envd /init failed: its envd has
-        no token and must not be reached."""
-        failed = self._envd_failed.get(sandbox_id)
-        if failed is not None:
-            raise OperationFailed(
-                f"sandbox {sandbox_id} did not start: envd /init failed ({failed}); kill it"
-            )
 
     # -- create ----------------------------------------------------------------------
     async def create(
@@ -205,8 +175,8 @@ class Lifecycle:
     ) -> SandboxView:
         """Start a sandbox. With ``envd_in_background`` it answers once the machine runs
         and envd's /init (identity, clock, entropy) finishes in the background, as after
-        a resume: proxied traffic waits for it (:meth:`settling`), and a sandbox whose
-        /init failed takes none (:meth:`check_envd`). Without it (template builds, which
+        a resume: proxied traffic waits for it, and a sandbox whose /init failed takes
+        none (:class:`~.envd_inits.EnvdInits`). Without it (template builds, which
         talk to envd directly next), or with volumes to mount, the create waits."""
         # Sources check what they resolve; fork images and build machines come here
         # directly, and a node restarted in another mode may still hold one.
@@ -362,13 +332,13 @@ class Lifecycle:
         self.store.transition(sandbox_id, S.CREATING, S.RUNNING, end_at=end_at)
         rec.state, rec.end_at = S.RUNNING, end_at
         if envd_in_background:
-            self._settle(rec, net.guest_address, first=True, place=place)
+            self.inits.start(rec, net.guest_address, first=True, place=place)
         log.info("sandbox %s running (from %s) in %s", sandbox_id, rec.template_id, phases)
         return self.view(rec)
 
     # -- pause -----------------------------------------------------------------------
     async def pause(self, sandbox_id: str, memory: bool) -> SandboxView:
-        await self.envd_settled(sandbox_id)
+        await self.inits.settled(sandbox_id)
         rec = self.existing(sandbox_id)
         if rec.state == S.PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already paused")
@@ -580,67 +550,9 @@ class Lifecycle:
         rec.envd_pending = "resume"
         # The saved state is consumed: the running machine has moved on from it.
         directory.clear_paused()
-        self._settle(rec, net.guest_address, place=place)
+        self.inits.start(rec, net.guest_address, place=place)
         log.info("sandbox %s resumed in %s", sandbox_id, phases)
         return self.view(rec)
-
-    def _settle(
-        self,
-        rec: SandboxRecord,
-        guest_address: str,
-        *,
-        first: bool = False,
-        place: StartPlace | None = None,
-    ) -> None:
-        """Initialise envd after a restore (clock, entropy reseed, token), in the
-        background; traffic to the sandbox waits for it (:meth:`settling`). ``first``: a
-        new sandbox's, whose envd has no token of its own yet (a resumed one keeps the
-        token it was paused with), so if it fails the sandbox is refused traffic.
-        ``place``, the sandbox's among those starting, is given back once it is over."""
-
-        what = "start" if first else "resume"
-
-        async def init() -> None:
-            phases = PhaseTimer()
-            try:
-                attempts = await envd_client.init(
-                    self.http,
-                    guest_address,
-                    env_vars=rec.env_vars,
-                    access_token=rec.envd_token,
-                    timeout=self.envd_init_timeout,
-                )
-                phases.mark("init")
-            except Exception as exc:
-                log.error("sandbox %s: envd /init after %s failed: %s", rec.sandbox_id, what, exc)
-                if first:
-                    self._envd_failed[rec.sandbox_id] = str(exc)
-                return
-            finally:
-                if place is not None:
-                    place.leave()
-                if self._settling.get(rec.sandbox_id) is task:
-                    del self._settling[rec.sandbox_id]
-            # Traffic to the sandbox waited for this: after a fork of many children
-            # it is where their time goes (the guests' first work under TCG).
-            log.info(
-                "sandbox %s: envd /init after %s in %s, %d request(s)",
-                rec.sandbox_id,
-                what,
-                phases,
-                attempts,
-            )
-            self._envd_failed.pop(rec.sandbox_id, None)
-            rec.envd_pending = None
-            try:
-                self.store.update_sandbox(rec.sandbox_id, envd_pending=None)
-            except sqlite3.Error as exc:
-                # envd has its token: the sandbox serves. The record still says the
-                # /init is owed, so a restart runs it once more, which is harmless.
-                log.warning("sandbox %s: recording its envd /init failed: %s", rec.sandbox_id, exc)
-
-        task = asyncio.get_running_loop().create_task(init())
-        self._settling[rec.sandbox_id] = task
 
     def finish_envd_init(self, rec: SandboxRecord) -> None:
         """Run again, in the background, the envd /init a re-adopted sandbox was still
@@ -648,16 +560,7 @@ class Lifecycle:
         its parent's token, and a new sandbox's envd would have none."""
         if rec.envd_pending is not None:
             address = self.network.describe(rec.slot).guest_address
-            self._settle(rec, address, first=rec.envd_pending == "start")
-
-    async def stop_settling(self) -> None:
-        """Cancel the envd /inits still running (a server shutting down): each stays
-        owed in its record, and the next start runs it (:meth:`finish_envd_init`)."""
-        tasks = list(self._settling.values())
-        self._settling.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self.inits.start(rec, address, first=rec.envd_pending == "start")
 
     # -- kill ------------------------------------------------------------------------
     async def kill(self, sandbox_id: str) -> None:
@@ -667,11 +570,7 @@ class Lifecycle:
         await self.sync.forget(rec)
         self.leases.forget(rec)
         self.store.transition(sandbox_id, rec.state, S.KILLING)
-        self._envd_failed.pop(sandbox_id, None)
-        settling = self._settling.pop(sandbox_id, None)
-        if settling is not None:
-            # envd's /init after a create or resume: its guest is going, nothing to retry.
-            settling.cancel()
+        self.inits.forget(sandbox_id)  # its guest is going: nothing to initialise
         vm = self.machines.pop(sandbox_id)
         if vm is not None and rec.volumes and rec.state == S.RUNNING:
             address = self.network.describe(rec.slot).guest_address

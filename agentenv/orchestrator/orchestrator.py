@@ -330,7 +330,7 @@ class Orchestrator:
             for rec in self.store.list_sandboxes():
                 with contextlib.suppress(SandboxNotFound):
                     await self.kill(rec.sandbox_id)
-        await self._lifecycle.stop_settling()
+        await self._lifecycle.inits.stop()
         await self.volumes.drain()
         await self._slots.drain()
         await self._machines.close_all()
@@ -482,8 +482,8 @@ class Orchestrator:
             for task in self._operations.pending(sandbox_id):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(task)
-        await self._lifecycle.envd_settled(sandbox_id)
-        self._lifecycle.check_envd(sandbox_id)
+        await self._lifecycle.inits.settled(sandbox_id)
+        self._lifecycle.inits.check(sandbox_id)
         current = self.store.get_sandbox(sandbox_id)
         if current is None or current.state not in VISIBLE_STATES:
             raise SandboxNotFound(sandbox_id)
@@ -667,7 +667,7 @@ class Orchestrator:
                 raise Conflict(f"a snapshot or template named {name!r} already exists")
 
         async def work() -> SnapshotView:
-            await self._lifecycle.envd_settled(sandbox_id)
+            await self._lifecycle.inits.settled(sandbox_id)
             rec = self._lifecycle.existing(sandbox_id)
             if name is not None and replace_name:
                 existing = self.store.get_snapshot(name)
@@ -742,7 +742,7 @@ class Orchestrator:
         chosen = self.timeouts.pick(timeout)
 
         async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
-            await self._lifecycle.envd_settled(sandbox_id)
+            await self._lifecycle.inits.settled(sandbox_id)
             rec = self._lifecycle.existing(sandbox_id)
             async with self._volumes_unmounted(rec):
                 image = await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
