@@ -103,11 +103,26 @@ def create(api: httpx.Client, reserve_mib: int) -> tuple[str, str | None]:
     return str(body["sandboxID"]), body.get("envdAccessToken")
 
 
+#: What an echo that did not answer counts as: slower than any limit.
+NO_ANSWER = float("inf")
+
+
+def finite(ms: float) -> float | None:
+    """``ms`` for the JSON report; None for an echo that did not answer."""
+    return None if ms == NO_ANSWER else ms
+
+
 def echo_ms(url: str, sandbox_id: str, token: str | None) -> float:
+    """One ``echo`` round trip in ms; :data:`NO_ANSWER` (and why, printed) if it failed."""
     started = time.perf_counter()
-    result = run_command(url, sandbox_id, "echo hi", token=token, timeout=300)
+    try:
+        result = run_command(url, sandbox_id, "echo hi", token=token, timeout=300)
+    except (AssertionError, httpx.HTTPError) as exc:
+        print(f"  {sandbox_id} did not answer: {str(exc)[:200]}")
+        return NO_ANSWER
     if result.stdout.strip() != "hi":
-        raise RuntimeError(f"{sandbox_id} answered {result.stdout!r}")
+        print(f"  {sandbox_id} answered {result.stdout!r}")
+        return NO_ANSWER
     return 1000 * (time.perf_counter() - started)
 
 
@@ -127,6 +142,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             sandboxes[0] = (sandboxes[0][0], sandboxes[0][1] or envd_token(url, sandboxes[0][0]))
             time.sleep(args.settle)
             single = [echo_ms(url, *sandboxes[0]) for _ in range(args.baseline_runs)]
+            if NO_ANSWER in single:
+                raise RuntimeError("the first sandbox did not answer its baseline echoes")
             single_p50 = statistics.median(single)
             print(f"one sandbox: echo p50 {single_p50:.0f} ms (limit {2 * single_p50:.0f} ms)")
             guest_ram = int(api.get(f"/sandboxes/{sandboxes[0][0]}").json()["memoryMB"]) * MIB
@@ -157,6 +174,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     ms if ms <= limit else min(ms, echo_ms(url, sandbox_id, token))
                     for ms, (sandbox_id, token) in zip(first, sandboxes, strict=True)
                 ]
+                p50, p99 = statistics.median(echoes), percentile(echoes, 0.99)
                 row = {
                     "sandboxes": len(sandboxes),
                     "vmms": len(pids),
@@ -165,9 +183,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "host_cpu_pct_of_core": cpu,
                     "pss_per_sandbox_mib": sum(pss) / max(1, len(pss)) / MIB,
                     "pss_anon_per_sandbox_mib": sum(pss_anon) / max(1, len(pss_anon)) / MIB,
-                    "echo_p50_ms": statistics.median(echoes),
-                    "echo_p99_ms": percentile(echoes, 0.99),
-                    "echo_max_ms": max(echoes),
+                    "echo_p50_ms": finite(p50),
+                    "echo_p99_ms": finite(p99),
+                    "echo_max_ms": finite(max(echoes)),
+                    "no_answer": sum(1 for ms in echoes if ms == NO_ANSWER),
                     "slow_at_first": sum(1 for ms in first if ms > limit),
                     "slow_twice": sum(1 for ms in echoes if ms > limit),
                     "all_within_2x": max(echoes) <= limit,
@@ -178,8 +197,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"overcommit {row['overcommit']:.2f}, CPU {cpu:6.1f} % of a core, "
                     f"PSS {row['pss_per_sandbox_mib']:6.1f} MiB each "
                     f"({row['pss_anon_per_sandbox_mib']:.1f} anonymous), echo p50 "
-                    f"{row['echo_p50_ms']:.0f} ms p99 {row['echo_p99_ms']:.0f} ms, "
-                    f"{row['slow_at_first']} slow once, {row['slow_twice']} slow twice"
+                    f"{p50:.0f} ms p99 {p99:.0f} ms, "
+                    f"{row['slow_at_first']} slow once, {row['slow_twice']} slow twice "
+                    f"({row['no_answer']} of them did not answer)"
                 )
                 if not row["all_within_2x"] and failed_at is None:
                     failed_at = (
