@@ -83,6 +83,14 @@ class _HostBaseline:
     report_every_s: float = 0.0  # how often the balloon was last asked to report
 
 
+def _memory_of(figures: dict[str, object]) -> GuestMemory | None:
+    """envd's memory figures (used is total less available, as the balloon's)."""
+    total, used, cached = (figures.get(key) for key in ("mem_total", "mem_used", "mem_cache"))
+    if not isinstance(total, int) or not isinstance(used, int):
+        return None
+    return GuestMemory(total, total - used, cached if isinstance(cached, int) else 0)
+
+
 @dataclass(frozen=True)
 class GuestSample:
     """envd's ``/metrics`` figures, and when the host took them."""
@@ -184,9 +192,12 @@ class MetricsHistory:
                 disk: dict[str, object] = {
                     key: figures[key] for key in ("disk_used", "disk_total") if key in figures
                 }
+                # envd's memory figures stand in for the balloon's while the guest is
+                # idle and its balloon has not reported yet.
                 self._baselines[view.sandbox_id] = _HostBaseline(
-                    vm.pid, cpu_seconds, now, disk, now, writes, now
-                )
+                    vm.pid, cpu_seconds, now, disk, now, writes, now,
+                    _memory_of(figures), now, self._interval_s,
+                )  # fmt: skip
         return figures
 
     async def _memory(
