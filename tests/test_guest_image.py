@@ -54,6 +54,7 @@ def test_cmdline_has_guest_addresses_tsc_and_panic_exit() -> None:
     assert params["reboot"] == "t"
     assert params["random.trust_cpu"] == "on"
     assert params["nowatchdog"] == ""
+    assert params["psi"] == "0"
     assert "rw" in params and params["rw"] == ""
 
 

@@ -17,6 +17,7 @@ from agentenv.orchestrator.errors import SandboxNotFound
 from agentenv.orchestrator.metrics import (
     GUEST_SAMPLE_INTERVAL_S,
     GUEST_SAMPLE_MAX_AGE_S,
+    IDLE_REPORT_INTERVAL_S,
     GuestSample,
     MetricsHistory,
 )
@@ -200,7 +201,7 @@ async def test_samples_between_guest_ones_are_measured_on_the_host(
     await sample(5)
     assert guest_asked() == asked + 3
     vm.memory = None
-    await sample(5)
+    await sample(5, cpu_s=1.0)
     assert guest_asked() == asked + 4
 
 
@@ -229,6 +230,45 @@ async def test_envd_is_asked_for_disk_figures_only_after_drive_writes(
     assert sampler.guest_asked() == asked + 2
     await sampler.sample(1)
     assert sampler.guest_asked() == asked + 3
+
+
+async def test_an_idle_guest_reports_its_memory_seldom(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox_id = (await node.orchestrator.create(FAKE_TEMPLATE)).sandbox_id
+    sampler = _Sampler(node, sandbox_id, monkeypatch)
+    vm, sample = sampler.vm, sampler.sample
+    vm.writes = 0  # nothing written: envd's disk figures hold, envd is not asked
+    await sample(0)
+    assert (await sample(5, cpu_s=1.0))["mem_used"] == 128 * MIB
+    assert vm.asked_every == [5, 5]
+    # Idle (its VMM used almost no CPU): the balloon is asked to report seldom, and the
+    # samples in between carry its figures without asking the VMM.
+    vm.memory = GuestMemory(512 * MIB, 256 * MIB, 32 * MIB)
+    assert (await sample(5, cpu_s=0.01))["mem_used"] == 256 * MIB
+    idle = IDLE_REPORT_INTERVAL_S
+    assert vm.asked_every == [5, 5, idle]
+    vm.memory = GuestMemory(512 * MIB, 128 * MIB, 32 * MIB)
+    figures = await sample(5)
+    assert figures["mem_used"] == 256 * MIB and figures["cpu_used_pct"] == 0.0
+    assert vm.asked_every == [5, 5, idle]
+    # Busy again: reports at the interval; until the guest has reported since, envd is
+    # asked (the VMM has no figures), then the figures are the VMM's.
+    vm.memory, asked = None, sampler.guest_asked()
+    await sample(5, cpu_s=0.5)
+    assert sampler.guest_asked() == asked + 1 and vm.asked_every[-1] == 5
+    vm.memory = GuestMemory(512 * MIB, 128 * MIB, 32 * MIB)
+    assert (await sample(5, cpu_s=0.5))["mem_used"] == 384 * MIB
+    assert sampler.guest_asked() == asked + 1
+    vm.asked_every = [5, 5, idle, 5]
+    # While idle, the VMM is asked once in the idle interval.
+    await sample(5)
+    assert vm.asked_every == [5, 5, idle, 5, idle]
+    for _ in range(round(idle / 5) - 1):
+        await sample(5)
+    assert vm.asked_every == [5, 5, idle, 5, idle]
+    await sample(5)
+    assert vm.asked_every == [5, 5, idle, 5, idle, idle]
 
 
 class _StuckVM(_MeteredVM):

@@ -15,6 +15,16 @@ memory is what the guest kernel's balloon driver reports by itself, and disk is 
 from the last envd sample. A VMM without balloon statistics is asked through envd every
 time; one that does not count writes, every :data:`GUEST_SAMPLE_INTERVAL_S`.
 
+Nor do the samples of an idle sandbox wake its guest kernel. A balloon report is a
+virtio request the guest answers, with the timer ticks around it, and reports every
+5 s were a third of an idle sandbox's VMM wakeups (11.5 against 7.1 a second without
+samples, one sandbox of each side by side). Memory does not change while the guest does
+not run, so when the VMM used less than :data:`IDLE_CPU_SHARE` of a core since the last
+sample, the balloon reports only every :data:`IDLE_REPORT_INTERVAL_S`, and the VMM is
+asked for the figures once in that time; the samples in between carry them. The first
+busy sample sets the interval back, and envd is asked until the guest has reported
+again (the VMM asks it at once), so that no sample of a busy guest has its idle figures.
+
 Owns the samples (in memory: a restart of the server starts the history again). Asks
 the envd and the VMM of the running sandboxes it is given; changes nothing else.
 """
@@ -34,7 +44,7 @@ import httpx
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.store import SandboxEvent, Store, utcnow
 from agentenv.orchestrator.views import SandboxView
-from agentenv.vmm.base import VirtualMachine, VMMError
+from agentenv.vmm.base import GuestMemory, VirtualMachine, VMMError
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -49,6 +59,11 @@ MAX_SAMPLES = int(24 * 3600 / SAMPLE_INTERVAL_S)
 GUEST_SAMPLE_INTERVAL_S = 60.0
 #: How old envd's disk figures may grow when the guest has written nothing to its drives.
 GUEST_SAMPLE_MAX_AGE_S = 600.0
+#: A VMM that used less of one core than this since the last sample runs an idle guest
+#: (an idle VMM uses 0.1-0.4 % here, its guest's timer ticks emulated under TCG).
+IDLE_CPU_SHARE = 0.01
+#: How often the balloon of an idle guest reports, and the VMM is asked for its figures.
+IDLE_REPORT_INTERVAL_S = 60.0
 MIB = 1024 * 1024
 
 
@@ -63,6 +78,17 @@ class _HostBaseline:
     guest_sampled_at: float  # time.monotonic() of envd's last sample
     disk_writes: int | None  # the VMM's count of the guest's drive writes before it
     disk_checked_at: float  # when the disk figures were last found current
+    memory: GuestMemory | None = None  # the balloon's last figures
+    memory_at: float = 0.0  # when the VMM was last asked for them
+    report_every_s: float = 0.0  # how often the balloon was last asked to report
+
+
+def _memory_of(figures: dict[str, object]) -> GuestMemory | None:
+    """envd's memory figures (used is total less available, as the balloon's)."""
+    total, used, cached = (figures.get(key) for key in ("mem_total", "mem_used", "mem_cache"))
+    if not isinstance(total, int) or not isinstance(used, int):
+        return None
+    return GuestMemory(total, total - used, cached if isinstance(cached, int) else 0)
 
 
 @dataclass(frozen=True)
@@ -166,10 +192,32 @@ class MetricsHistory:
                 disk: dict[str, object] = {
                     key: figures[key] for key in ("disk_used", "disk_total") if key in figures
                 }
+                # envd's memory figures stand in for the balloon's while the guest is
+                # idle and its balloon has not reported yet.
                 self._baselines[view.sandbox_id] = _HostBaseline(
-                    vm.pid, cpu_seconds, now, disk, now, writes, now
-                )
+                    vm.pid, cpu_seconds, now, disk, now, writes, now,
+                    _memory_of(figures), now, self._interval_s,
+                )  # fmt: skip
         return figures
+
+    async def _memory(
+        self, vm: VirtualMachine, base: _HostBaseline, cpu_seconds: float, now: float
+    ) -> GuestMemory | None:
+        """The balloon's figures: reported at the interval while the guest runs; while it
+        is idle, reported and asked for every :data:`IDLE_REPORT_INTERVAL_S` (the
+        reports wake it), carried in between."""
+        idle = cpu_seconds - base.cpu_seconds < IDLE_CPU_SHARE * (now - base.at)
+        every = max(IDLE_REPORT_INTERVAL_S, self._interval_s) if idle else self._interval_s
+        if (
+            idle
+            and base.memory is not None
+            and base.report_every_s == every
+            and now - base.memory_at < every
+        ):
+            return base.memory
+        base.memory = await vm.guest_memory(every) or (base.memory if idle else None)
+        base.memory_at, base.report_every_s = now, every
+        return base.memory
 
     async def _disk_writes(self, view: SandboxView, vm: VirtualMachine) -> int | None:
         try:
@@ -210,8 +258,8 @@ class MetricsHistory:
         ):
             return None
         try:
-            memory = await vm.guest_memory(self._interval_s)
             cpu_seconds = vm.cpu_seconds()
+            memory = await self._memory(vm, base, cpu_seconds, now)
         except VMMError as exc:
             log.debug("no host measurements of %s: %s", view.sandbox_id, exc)
             return None

@@ -392,8 +392,10 @@ class VirtualMachine(ABC):
     async def guest_memory(self, report_every_s: float) -> GuestMemory | None:
         """The guest's memory figures from its balloon driver, which is asked to report
         every ``report_every_s`` seconds: the guest kernel answers by itself, so no guest
-        program wakes. None where the VMM has no balloon statistics, or before the
-        guest's first report; :class:`VMMError` if the VMM cannot be asked."""
+        program wakes. None where the VMM has no balloon statistics, or until the guest
+        has reported since the reports started or became more frequent (an idle guest's
+        reports may be seldom; the VMM asks it for one at once); :class:`VMMError` if the
+        VMM cannot be asked."""
         return None
 
     async def disk_writes(self) -> int | None:

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -220,6 +221,9 @@ class QemuVM(VirtualMachine):
         self.balloon = balloon
         self._balloon_path: str | None = None
         self._stats_every_s: int | None = None
+        # When the balloon's reports last started or became more frequent (wall-clock
+        # seconds, as QEMU stamps a report): earlier figures are not given out.
+        self._reports_since = 0
         self.workdir = workdir
         self._process = process
         self._qmp = qmp
@@ -442,22 +446,22 @@ class QemuVM(VirtualMachine):
         every = max(1, round(report_every_s))
         if self._stats_every_s != every:
             # Not part of the migrated state: every process (a restore is a new one) is
-            # asked once.
-            await self.execute(
-                "qom-set",
-                {
-                    "path": self._balloon_path,
-                    "property": "guest-stats-polling-interval",
-                    "value": every,
-                },
-            )
+            # asked once. QEMU asks the guest at once only when it makes its timer (from
+            # interval 0), else at the new interval from now.
+            if self._stats_every_s is None or every < self._stats_every_s:
+                if self._stats_every_s:
+                    await self._set_stats_interval(0)
+                self._reports_since = int(time.time())
+            await self._set_stats_interval(every)
             self._stats_every_s = every
         reply = await self.execute(
             "qom-get", {"path": self._balloon_path, "property": "guest-stats"}
         )
-        stats = reply.get("stats", {}) if isinstance(reply, dict) else {}
-        if not reply.get("last-update"):
-            return None  # the guest has not reported yet
+        if not isinstance(reply, dict):
+            return None
+        stats = reply.get("stats", {})
+        if int(reply.get("last-update") or 0) < max(1, self._reports_since):
+            return None  # the guest has not reported (since the reports became sooner)
         total = int(stats.get("stat-total-memory", -1))
         available = int(stats.get("stat-available-memory", -1))
         if total <= 0 or available < 0:
@@ -466,6 +470,16 @@ class QemuVM(VirtualMachine):
             total_bytes=total,
             available_bytes=available,
             cached_bytes=max(0, int(stats.get("stat-disk-caches", 0))),
+        )
+
+    async def _set_stats_interval(self, seconds: int) -> None:
+        await self.execute(
+            "qom-set",
+            {
+                "path": self._balloon_path,
+                "property": "guest-stats-polling-interval",
+                "value": seconds,
+            },
         )
 
     async def _roll_back_save(
