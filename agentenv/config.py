@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agentenv.limits import MAX_FORK_CHILDREN
 from agentenv.snapshots.settings import S3Settings
 
 DEFAULT_HOME = Path("/var/lib/agentenv")
@@ -178,9 +179,17 @@ class Config(BaseModel):
     # loaded TCG host, or nested KVM) answer late.
     envd_init_timeout: float = Field(default=30.0, gt=0)
     # Sandboxes that may be starting at once (restore until envd's /init is done): more
-    # wait, and are refused (503) after 50 s. Fork children count one each, so it stays
-    # above the largest fork. 0: no bound (orchestrator/resources.py: StartGate).
-    max_starting: int = Field(default=24, ge=0)
+    # wait, and are refused (503) after 50 s. None: 4 per CPU, and never fewer than the
+    # largest fork's children (each counts one). 0: no bound (resources.StartGate).
+    max_starting: int | None = Field(default=None, ge=0)
+
+    @property
+    def start_places(self) -> int:
+        """``max_starting``, with its default worked out for this host."""
+        if self.max_starting is not None:
+            return self.max_starting
+        return max(MAX_FORK_CHILDREN, 4 * (os.cpu_count() or 1))
+
     # Registries reached over plain HTTP / without TLS verification, comma-separated
     # (localhost ones always are).
     insecure_registries: str = ""

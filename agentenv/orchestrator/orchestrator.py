@@ -219,7 +219,7 @@ class Orchestrator:
             self.volumes,
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(self.store, config.memory_overcommit),
-            starts=StartGate(config.max_starting, START_WAIT_S),
+            starts=StartGate(config.start_places, START_WAIT_S),
             mode=self.mode,
             envd_init_timeout=config.envd_init_timeout,
         )

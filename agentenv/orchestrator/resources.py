@@ -159,7 +159,7 @@ class StartPlace:
 
 class StartGate:
     """How many sandboxes may be starting at once: from their restore until envd's /init
-    is done (``Config.max_starting``; 0: no bound).
+    is done (``Config.start_places``; 0: no bound).
 
     Under TCG a restored guest runs its first code through an empty translation cache
     (0.3-0.8 s of CPU before envd has answered /init). A create answers once the machine
