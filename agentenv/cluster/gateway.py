@@ -318,7 +318,11 @@ class Gateway:
         started = time.perf_counter()
         try:
             answer = await send_to_node(
-                self.transport, scope["method"], url, node_headers(headers), content
+                self.transport,
+                scope["method"],
+                url,
+                node_headers(headers, body=content is not None),
+                content,
             )
         except httpx.HTTPError as exc:
             self._upstream(node, started, "error")
