@@ -19,8 +19,15 @@ Each "gateway" figure has its "direct" twin (same sandbox, same node), measured
 interleaved so that a noisy machine weighs on both alike. Targets (issue 15): added p50
 latency at most 1 ms on envd requests, 1 MiB reads at 80 % of direct or better.
 
+``--compare-gateway CHECKOUT`` also starts the gateway of another checkout of agentenv
+(e.g. ``git worktree add /var/tmp/before <commit>``) on the same scheduler and measures
+it in the same interleaved loops ("baseline" figures: envd requests, commands, 1 MiB
+reads, and its CPU time per request in its own requests/s run): a change to the gateway
+against the code before it, in one run. Nodes take ``AENV_IMAGE_CACHE`` from the
+environment when it is set.
+
 Usage (as root):  .venv/bin/python bench/cluster.py [--runs 200] [--command-runs N]
-                  [--json out.json]
+                  [--compare-gateway CHECKOUT] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from agentenv.cluster.local import LocalCluster
+from agentenv.cluster.local import LocalCluster, free_port
 from bench.lifecycle import print_table, summarize
 from tests.helpers import cleanup_host, envelope
 
@@ -81,15 +90,59 @@ def create(api: httpx.Client) -> dict[str, Any]:
     return body
 
 
-def timed_pairs(runs: int, gateway_call: Any, direct_call: Any) -> tuple[list[float], list[float]]:
-    via: list[float] = []
-    direct: list[float] = []
-    for _ in range(runs):
-        for call, out in ((gateway_call, via), (direct_call, direct)):
+def timed(runs: int, calls: dict[str, Any]) -> dict[str, list[float]]:
+    """Each call's durations, the calls interleaved; who goes first rotates."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls.items())
+    for run in range(runs):
+        start = run % len(order)
+        for name, call in order[start:] + order[:start]:
             t0 = time.perf_counter()
             call()
-            out.append(time.perf_counter() - t0)
-    return via, direct
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def timed_pairs(runs: int, gateway_call: Any, direct_call: Any) -> tuple[list[float], list[float]]:
+    times = timed(runs, {"gateway": gateway_call, "direct": direct_call})
+    return times["gateway"], times["direct"]
+
+
+def start_gateway(
+    checkout: Path, cluster: LocalCluster, log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The gateway of another checkout, on ``cluster``'s scheduler, and its URL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
+    env["AENV_API_KEY"] = cluster.api_key
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agentenv.cluster.gateway_main",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--scheduler",
+                cluster.scheduler_url,
+            ],
+            cwd=checkout,  # its agentenv comes first on the module path
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=2, trust_env=False)
+            return proc, url
+        except httpx.HTTPError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the gateway of {checkout} did not start (see {log})") from None
+            time.sleep(0.2)
 
 
 def run_true(api: httpx.Client) -> None:
@@ -144,7 +197,12 @@ def spread(cluster: LocalCluster, total: int = 60, wave: int = 15) -> dict[str, 
 
 
 def bench(
-    cluster: LocalCluster, runs: int, command_runs: int, rps_seconds: float
+    cluster: LocalCluster,
+    runs: int,
+    command_runs: int,
+    rps_seconds: float,
+    baseline_url: str | None = None,
+    baseline_pid: int | None = None,
 ) -> dict[str, Any]:
     key = cluster.api_key
     raw: dict[str, list[float]] = {}
@@ -158,15 +216,23 @@ def bench(
     routing = {"E2b-Sandbox-Id": sandbox_id, "X-Access-Token": token}
     via = client(cluster.gateway_url, key, **routing)
     direct = client(node_url(cluster, home), key, **routing)
+    sides = {"gateway": via, "direct": direct}
+    if baseline_url is not None:
+        sides["baseline_gateway"] = client(baseline_url, key, **routing)
+    baseline_rps = baseline_cpu = None
+
+    def each(call: Any) -> dict[str, Any]:
+        return {side: (lambda http=http: call(http)) for side, http in sides.items()}
+
+    def record(op: str, times: dict[str, list[float]]) -> None:
+        for side, values in times.items():
+            raw[f"{side}_{op}"] = values
+
     try:
-        raw["gateway_envd_health"], raw["direct_envd_health"] = timed_pairs(
-            runs,
-            lambda: via.get("/health").raise_for_status(),
-            lambda: direct.get("/health").raise_for_status(),
+        record(
+            "envd_health", timed(runs, each(lambda http: http.get("/health").raise_for_status()))
         )
-        raw["gateway_envd_run_true"], raw["direct_envd_run_true"] = timed_pairs(
-            command_runs, lambda: run_true(via), lambda: run_true(direct)
-        )
+        record("envd_run_true", timed(command_runs, each(run_true)))
         payload = os.urandom(MIB)
         via.post("/files", params={"path": "/tmp/mib"}, files={"file": ("mib", payload)})
 
@@ -175,9 +241,7 @@ def bench(
             if back.content != payload:
                 raise RuntimeError("1 MiB read returned other bytes")
 
-        raw["gateway_read_1mib"], raw["direct_read_1mib"] = timed_pairs(
-            command_runs, lambda: read(via), lambda: read(direct)
-        )
+        record("read_1mib", timed(command_runs, each(read)))
         # The gateway on one core (the load generator on the other).
         gateway_pid = cluster.procs["gateway"].pid
         assert gateway_pid is not None
@@ -193,12 +257,19 @@ def bench(
             spent = cpu_seconds(node_pid)
             direct_rps, done = asyncio.run(rps(node_url(cluster, home), dict(routing), rps_seconds))
             node_cpu = (cpu_seconds(node_pid) - spent) / max(1, done)
+            if baseline_url is not None and baseline_pid is not None:
+                os.sched_setaffinity(baseline_pid, {cpus[0]})
+                spent = cpu_seconds(baseline_pid)
+                baseline_rps, done = asyncio.run(rps(baseline_url, dict(routing), rps_seconds))
+                baseline_cpu = (cpu_seconds(baseline_pid) - spent) / max(1, done)
         finally:
             os.sched_setaffinity(gateway_pid, set(cpus))
+            if baseline_pid is not None:
+                os.sched_setaffinity(baseline_pid, set(cpus))
             os.sched_setaffinity(0, set(cpus))
     finally:
-        via.close()
-        direct.close()
+        for http in sides.values():
+            http.close()
     with client(cluster.gateway_url, key) as api, client(node_url(cluster, home), key) as node:
         api.delete(f"/sandboxes/{sandbox_id}")
 
@@ -221,6 +292,8 @@ def bench(
         "direct_rps": direct_rps,
         "gateway_cpu": gateway_cpu,
         "node_cpu": node_cpu,
+        "baseline_rps": baseline_rps,
+        "baseline_cpu": baseline_cpu,
         "spread": landed,
     }
 
@@ -235,19 +308,43 @@ def main() -> None:
         help="commands and 1 MiB reads per side (default: --runs / 10, at least 10)",
     )
     parser.add_argument("--rps-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--compare-gateway",
+        type=Path,
+        default=None,
+        metavar="CHECKOUT",
+        help="also measure the gateway of this checkout of agentenv, in the same loops",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/cluster.json"))
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/cluster.py must run as root")
     root = Path(tempfile.mkdtemp(prefix="aenv-bench-cluster-", dir="/var/tmp"))
     # Room for a wave of 15 sandboxes of 2 vCPUs on three 2-core nodes.
-    quiet = {"AENV_METRICS_INTERVAL": "0"}
-    cluster = LocalCluster(root, nodes=NODES, overcommit=8.0, node_env=quiet)
+    node_env = {"AENV_METRICS_INTERVAL": "0"}
+    if os.environ.get("AENV_IMAGE_CACHE"):
+        node_env["AENV_IMAGE_CACHE"] = os.environ["AENV_IMAGE_CACHE"]
+    cluster = LocalCluster(root, nodes=NODES, overcommit=8.0, node_env=node_env)
+    baseline: subprocess.Popen[bytes] | None = None
     try:
         cluster.up()
+        baseline_url = None
+        if args.compare_gateway is not None:
+            log = root / "logs" / "baseline-gateway.log"
+            baseline, baseline_url = start_gateway(args.compare_gateway.resolve(), cluster, log)
         command_runs = args.command_runs or max(10, args.runs // 10)
-        result = bench(cluster, args.runs, command_runs, args.rps_seconds)
+        result = bench(
+            cluster,
+            args.runs,
+            command_runs,
+            args.rps_seconds,
+            baseline_url,
+            baseline.pid if baseline is not None else None,
+        )
     finally:
+        if baseline is not None:
+            baseline.terminate()
+            baseline.wait(30)
         cluster.down()
         for index in range(NODES):  # network resources the nodes leave by design
             cleanup_host(root / cluster.node_name(index))
@@ -257,21 +354,36 @@ def main() -> None:
     for name, values in raw.items():
         summary[name]["p99_ms"] = percentile(values, 0.99) * 1000
     pairs = ("envd_health", "envd_run_true", "read_1mib", "create")
-    print_table(summary, {f"gateway_{op}": f"direct_{op}" for op in pairs})
-    added = {
-        op: {
-            "p50_ms": summary[f"gateway_{op}"]["p50_ms"] - summary[f"direct_{op}"]["p50_ms"],
-            "p99_ms": summary[f"gateway_{op}"]["p99_ms"] - summary[f"direct_{op}"]["p99_ms"],
+    baseline_table = {f"baseline_gateway_{op}": f"direct_{op}" for op in pairs}
+    print_table(summary, {f"gateway_{op}": f"direct_{op}" for op in pairs} | baseline_table)
+
+    def added_by(side: str) -> dict[str, dict[str, float]]:
+        """p50 and p99 over direct, and the median of the differences run by run (the
+        two calls of a run are next to each other: what the machine's load did to one
+        it mostly did to the other)."""
+        return {
+            op: {
+                "p50_ms": summary[f"{side}_{op}"]["p50_ms"] - summary[f"direct_{op}"]["p50_ms"],
+                "p99_ms": summary[f"{side}_{op}"]["p99_ms"] - summary[f"direct_{op}"]["p99_ms"],
+                "paired_median_ms": 1000
+                * statistics.median(
+                    [a - b for a, b in zip(raw[f"{side}_{op}"], raw[f"direct_{op}"], strict=True)]
+                ),
+            }
+            for op in pairs
+            if f"{side}_{op}" in raw
         }
-        for op in pairs
-    }
+
+    added = added_by("gateway")
+    baseline_added = added_by("baseline_gateway")
     read_ratio = summary["direct_read_1mib"]["p50_ms"] / summary["gateway_read_1mib"]["p50_ms"]
     print()
-    for op, delta in added.items():
-        print(
-            f"added by the gateway, {op:<14} p50 {delta['p50_ms']:+8.2f} ms   "
-            f"p99 {delta['p99_ms']:+8.2f} ms"
-        )
+    for side, deltas in (("the gateway", added), ("the baseline gateway", baseline_added)):
+        for op, delta in deltas.items():
+            print(
+                f"added by {side}, {op:<14} p50 {delta['p50_ms']:+8.2f} ms   "
+                f"p99 {delta['p99_ms']:+8.2f} ms   run by run {delta['paired_median_ms']:+8.2f} ms"
+            )
     print(f"1 MiB read throughput, gateway / direct: {read_ratio:.0%} (target >= 80 %)")
     print(
         f"requests/s, envd /health: gateway on one core {result['gateway_rps']:.0f}, "
@@ -281,6 +393,11 @@ def main() -> None:
         f"CPU per envd /health request: gateway {result['gateway_cpu'] * 1000:.2f} ms, "
         f"node server (its proxy) {result['node_cpu'] * 1000:.2f} ms"
     )
+    if result["baseline_cpu"] is not None:
+        print(
+            f"baseline gateway: {result['baseline_rps']:.0f} requests/s on one core, "
+            f"CPU per envd /health request {result['baseline_cpu'] * 1000:.2f} ms"
+        )
     print(f"60 creates through the gateway landed: {result['spread']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
@@ -290,6 +407,12 @@ def main() -> None:
                 "nodes": NODES,
                 "summary": summary,
                 "added_ms": added,
+                "compare_gateway": str(args.compare_gateway) if args.compare_gateway else None,
+                "baseline_added_ms": baseline_added,
+                "baseline_gateway_rps_one_core": result["baseline_rps"],
+                "baseline_gateway_cpu_ms_per_request": (
+                    result["baseline_cpu"] * 1000 if result["baseline_cpu"] is not None else None
+                ),
                 "read_1mib_throughput_ratio": read_ratio,
                 "gateway_rps_one_core": result["gateway_rps"],
                 "node_proxy_rps": result["direct_rps"],

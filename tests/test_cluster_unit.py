@@ -665,6 +665,33 @@ def test_answers_through_the_gateway_carry_one_date() -> None:
 
 
 # -- discovery and the scheduler's metrics -------------------------------------------------
+def test_a_request_body_keeps_its_framing_through_the_gateway() -> None:
+    """A body of a known length (the SDK's Process/Start) reaches the node with that
+    Content-Length, not re-chunked (whose end would come as a write of its own that the
+    node and the guest wait for); a chunked one stays chunked. Either arrives whole."""
+    seen: list[tuple[str | None, str | None, bytes]] = []
+
+    async def record(request: Request) -> PlainTextResponse:
+        body = await request.body()
+        headers = request.headers
+        seen.append((headers.get("content-length"), headers.get("transfer-encoding"), body))
+        return PlainTextResponse("ok")
+
+    def chunks() -> Iterator[bytes]:
+        yield b"first,"
+        yield b"second"
+
+    with ServedApp(Starlette(routes=[Route("/{path:path}", record, methods=["POST"])])) as node:
+        scheduler = _scheduler_binding("ibody", "a", node.url)
+        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+            with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
+                traffic = {"E2b-Sandbox-Id": "ibody"}
+                sized = client.post("/process.Process/Start", content=b"x" * 54, headers=traffic)
+                chunked = client.post("/files", content=chunks(), headers=traffic)
+                assert (sized.status_code, chunked.status_code) == (200, 200)
+    assert seen == [("54", None, b"x" * 54), (None, "chunked", b"first,second")]
+
+
 class FakeDiscoveryApi:
     """kubernetes.client.DiscoveryV1Api's one call the scheduler makes, answering with the
     client's own models."""

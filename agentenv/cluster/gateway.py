@@ -62,6 +62,7 @@ from agentenv.cluster.listing import (
 )
 from agentenv.cluster.models import NodeInfo, NodeState, PlacementRequest
 from agentenv.cluster.node_transport import AiohttpNodeTransport
+from agentenv.cluster.routes import RouteCache
 from agentenv.cluster.scheduler_client import (
     SchedulerClient,
     SchedulerRefused,
@@ -123,13 +124,13 @@ class Gateway:
         self.scheduler = scheduler
         self.api_key = api_key
         self.domain = domain
-        # Sandbox traffic (every envd call) would otherwise ask the scheduler each time.
-        # Only up owners are kept, for `route_cache_s`; what this gateway itself changes
-        # (kill, connect elsewhere) drops its entry, another gateway's change is seen
-        # within that time or at once when the old node says it no longer holds the
-        # sandbox (see _traffic), and a node that stops answering is a 503 either way.
+        # Where sandbox traffic goes (``routes``): only up owners are kept; what this
+        # gateway itself changes (kill, connect elsewhere) drops its entry, another
+        # gateway's change is seen within `route_cache_s` (twice that at most, see
+        # ``routes``) or at once when the old node says it no longer holds the sandbox
+        # (see _traffic), and a node that stops answering is a 503 either way.
         self.route_cache_s = route_cache_s
-        self._routes: dict[str, tuple[float, NodeInfo]] = {}
+        self._routes = RouteCache(self._owner, route_cache_s)
         self.registry = CollectorRegistry()
         self.upstream_seconds = Histogram(
             "aenv_gateway_upstream_seconds",
@@ -158,6 +159,7 @@ class Gateway:
         self._node_urls: dict[str, httpx.URL] = {}
 
     async def aclose(self) -> None:
+        await self._routes.aclose()
         await self.http.aclose()
         await self.scheduler.aclose()
 
@@ -214,20 +216,6 @@ class Gateway:
             raise NodeUnavailable(binding.node_id, "stopped heartbeating", sandbox_id)
         return binding.node
 
-    async def _traffic_owner(self, sandbox_id: str) -> tuple[NodeInfo | None, bool]:
-        """:meth:`_owner`, from the route cache when it is fresh; and whether it came
-        from the cache."""
-        now = time.monotonic()
-        cached = self._routes.get(sandbox_id)
-        if cached is not None and cached[0] > now:
-            return cached[1], True
-        node = await self._owner(sandbox_id)
-        if len(self._routes) > 100_000:
-            self._routes = {k: v for k, v in self._routes.items() if v[0] > now}
-        if node is not None and self.route_cache_s > 0:
-            self._routes[sandbox_id] = (now + self.route_cache_s, node)
-        return node, False
-
     async def _up_nodes(self) -> list[NodeInfo]:
         return [n for n in await self.scheduler.nodes() if n.state is NodeState.UP]
 
@@ -244,7 +232,7 @@ class Gateway:
     ) -> ASGIApp:
         """A sandbox's traffic, relayed to its node's proxy."""
         scope["aenv.route"] = "sandbox-traffic"
-        node, cached = await self._traffic_owner(target.sandbox_id)
+        node, cached = await self._routes.owner(target.sandbox_id)
         if node is None:
             # What a node's proxy answers for an unknown sandbox (E2B's edge too).
             return _error(502, f"The sandbox {target.sandbox_id} was not found")
@@ -259,14 +247,14 @@ class Gateway:
                 # Dropped either way; a request without a body goes again to the owner
                 # the scheduler names now, when that is another node (the owner's own
                 # 502, say from the app, is its answer).
-                self._routes.pop(target.sandbox_id, None)
-                fresh, _ = await self._traffic_owner(target.sandbox_id)
+                self._routes.forget(target.sandbox_id)
+                fresh, _ = await self._routes.owner(target.sandbox_id)
                 if content is None and fresh is not None and fresh.node_id != node.node_id:
                     await upstream.aclose()
                     node = fresh
                     upstream = await self._send_raw(scope, headers, node, None)
         except NodeUnavailable as exc:
-            self._routes.pop(target.sandbox_id, None)
+            self._routes.forget(target.sandbox_id)
             raise NodeUnavailable(exc.node_id, exc.reason, target.sandbox_id) from exc
         return RelayedAnswer(upstream, node.node_id)
 
@@ -318,7 +306,11 @@ class Gateway:
         started = time.perf_counter()
         try:
             answer = await send_to_node(
-                self.transport, scope["method"], url, node_headers(headers), content
+                self.transport,
+                scope["method"],
+                url,
+                node_headers(headers, body=content is not None),
+                content,
             )
         except httpx.HTTPError as exc:
             self._upstream(node, started, "error")
@@ -410,7 +402,7 @@ class Gateway:
 
     async def _sandbox_route(self, request: Request, sandbox_id: str, rest: str) -> ASGIApp:
         method = request.method
-        self._routes.pop(sandbox_id, None)  # a control-plane call may move or end it
+        self._routes.forget(sandbox_id)  # a control-plane call may move or end it
         if method == "POST" and rest == "/connect":
             return await self._connect(request, sandbox_id)
         node = await self._owner(sandbox_id)
@@ -586,7 +578,7 @@ class Gateway:
             await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
             return
         try:
-            node, _ = await self._traffic_owner(target.sandbox_id)
+            node, _ = await self._routes.owner(target.sandbox_id)
         except (NodeUnavailable, SchedulerUnavailable) as exc:
             await deny_websocket(send, Refusal(503, str(exc)))
             return

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         "--route-cache",
         type=float,
         default=1.0,
-        help="seconds a sandbox's node is remembered for its traffic (default 1; 0: never)",
+        help="seconds a sandbox's node is remembered for its traffic, and as long again "
+        "while it is looked up anew (default 1; 0: never)",
     )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)

@@ -9,7 +9,8 @@ redirects and auth (a shared cookie jar would also hand one sandbox's cookies to
 for another); the node's response head is passed on as raw
 header pairs (repeated ones such as ``Set-Cookie`` kept), with its ``Content-Length`` when
 it has one, so the client's answer is not re-chunked (one write fewer, and a body the node
-breaks off ends the client's connection instead of looking complete).
+breaks off ends the client's connection instead of looking complete). A request body keeps
+its client's ``Content-Length`` the same way (see ``node_headers``).
 """
 
 from __future__ import annotations
@@ -51,9 +52,18 @@ class NodeUnavailable(Exception):
         self.sandbox_id = sandbox_id
 
 
-def node_headers(headers: Headers) -> list[tuple[str, str]]:
-    """A request's headers as they go on to a node."""
-    return [(k, v) for k, v in headers.items() if k not in NOT_FORWARDED]
+def node_headers(headers: Headers, *, body: bool = False) -> list[tuple[str, str]]:
+    """A request's headers as they go on to a node; with ``body`` (the client's body is
+    sent on, whole or streamed), its ``Content-Length`` too, unless ``Transfer-Encoding``
+    frames it. A body whose length went unsaid would go on chunked, its end a write of
+    its own that the node, and the guest after it, wait for before they answer: one more
+    read on every hop for each command (the SDK's Process/Start)."""
+    sized = body and "transfer-encoding" not in headers
+    return [
+        (k, v)
+        for k, v in headers.items()
+        if k not in NOT_FORWARDED or (sized and k == "content-length")
+    ]
 
 
 async def send_to_node(
