@@ -91,17 +91,15 @@ def smoke(mode: str, data_dir: Path, core_steps: list[str]) -> dict[str, Any]:
         step("server start and base template", lambda: start_server(server, TEMPLATE_WAIT))
         opts = check(server, mode, step, result)
         if core_steps:
-            result["failed"] = run_core(
-                Core(
-                    srv=server,
-                    mode=mode,
-                    opts=opts,
-                    restart=lambda: start_server(server, TEMPLATE_WAIT),
-                    vmm_processes=vmm_processes,
-                ),
-                core_steps,
-                step,
+            core = Core(
+                srv=server,
+                mode=mode,
+                opts=opts,
+                restart=lambda: start_server(server, TEMPLATE_WAIT),
+                vmm_processes=vmm_processes,
             )
+            result["failed"] = run_core(core, core_steps, step)
+            result["retried"] = core.retried
             no_sandbox_left(server, "the core steps")
     finally:
         with contextlib.suppress(Exception):

@@ -119,6 +119,11 @@ def test_smoke(host: Path, mode: str) -> None:
         f"host console:\n{console}"
     )
     outcome: dict[str, Any] = json.loads(lines[-1].removeprefix("SMOKE-RESULT "))
+    if outcome.get("retried"):
+        warnings.warn(
+            f"{mode}: core steps that failed once and passed when run again: {outcome['retried']}",
+            stacklevel=1,
+        )
     assert outcome["ok"], f"{outcome}\n{result.stderr[-4000:]}"
     assert result.returncode == 0
     assert outcome["health"]["vmm"] == MODES[mode]["AENV_VMM"]
