@@ -33,7 +33,7 @@ from agentenv.snapshots.layout import MachineSnapshot, SnapshotError, write_mani
 from agentenv.storage.clone import clone_file, flush_file, make_durable
 from agentenv.storage.extents import reshare
 from agentenv.storage.images import backing_chain, flatten
-from agentenv.vmm.base import DiskCapture, VMMError, VMRunState
+from agentenv.vmm.base import DiskCapture, VMMError
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -248,10 +248,8 @@ class Capture:
                 files = replace(files, memory_file=memory)
                 phases.mark("memory")
         except Exception as exc:
-            # Only a machine known to be stopped: a hung VMM's rollback was sent already.
-            if vm.state is VMRunState.PAUSED:
-                with contextlib.suppress(VMMError):
-                    await vm.resume()
+            with contextlib.suppress(VMMError):
+                await vm.resume_if_paused()
             self.store.transition(rec.sandbox_id, state, SandboxState.RUNNING)
             if sealed:
                 # The sandbox's disk builds on the sealed layer: collected with it.

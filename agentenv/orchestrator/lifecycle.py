@@ -369,10 +369,8 @@ class Lifecycle:
             write_atomically(directory.paused_manifest, files.to_json())
         except Exception as exc:
             shutil.rmtree(dest, ignore_errors=True)
-            # Only a machine known to be stopped: a hung VMM's rollback was sent already.
-            if vm.state is VMRunState.PAUSED:
-                with contextlib.suppress(VMMError):
-                    await vm.resume()
+            with contextlib.suppress(VMMError):
+                await vm.resume_if_paused()
             if announcing is not None:
                 await announcing
                 await self.sync.drop_announcement(sandbox_id)

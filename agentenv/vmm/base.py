@@ -355,6 +355,13 @@ class VirtualMachine(ABC):
     async def resume(self) -> None:
         """Continue after :meth:`pause` or a restore made with ``resume=False``."""
 
+    async def resume_if_paused(self) -> None:
+        """:meth:`resume` a machine known to be paused; nothing otherwise. A rollback's
+        resume: a hung VMM's own rollback has sent its ``cont`` already, and a command
+        to it would only wait out its timeout."""
+        if self.state is VMRunState.PAUSED:
+            await self.resume()
+
     @abstractmethod
     async def save_state(self, dest: Path) -> SnapshotFiles:
         """Pause if running and write a snapshot into directory ``dest``. The VM stays
