@@ -243,6 +243,13 @@ class Config(BaseModel):
     # (bench/tcg_cache.py: 8 and 16 MiB made `python3 -c 'import json'` 2-5x slower,
     # 48 MiB was as fast as the 64 MiB used before and kept 25 MiB less after work).
     tcg_tb_size_mib: int = Field(default=48, ge=1, le=2048)
+    # Leave QEMU's MADV_HUGEPAGE on guest RAM. With it, every first touch of a page of a
+    # RAM file reads 2 MiB around it into the page cache: 138 MiB cached for 21 MiB a
+    # sandbox used, which filled this 24 GiB host at about 110 idle sandboxes. Without it
+    # (the default) the RAM advice library makes it MADV_RANDOM and the node reads ahead
+    # what restored guests touch first (agentenv/vmm/working_set.py). A KVM host that
+    # wants large folios behind guest RAM, and has memory to spare, may turn it on.
+    guest_ram_huge_pages: bool = False
     # Threads a confined VMM may have (its cgroup's pids limit).
     vmm_pids_max: int = Field(default=512, ge=16)
     # Remount the host's cgroup2 hierarchy with favordynmods at start-up: moving each VMM
@@ -369,6 +376,11 @@ class Config(BaseModel):
     @property
     def sandboxes_dir(self) -> Path:
         return self.home / "sandboxes"
+
+    @property
+    def working_sets_dir(self) -> Path:
+        """What restored guests touched first, per snapshot RAM file (vmm/working_set.py)."""
+        return self.home / "working-sets"
 
     @property
     def instance_tag(self) -> str:

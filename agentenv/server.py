@@ -30,8 +30,9 @@ from agentenv.vmm.base import VMMDriver
 from agentenv.vmm.cgroups import CgroupError, VmmCgroups, favor_dynamic_moves
 from agentenv.vmm.firecracker import FirecrackerDriver
 from agentenv.vmm.firecracker_binary import find_firecracker, find_jailer
-from agentenv.vmm.launch import start_vmms_without_huge_pages
+from agentenv.vmm.launch import RAM_ADVICE_NAME, find_ram_advice, start_vmms_without_huge_pages
 from agentenv.vmm.qemu import QemuDriver
+from agentenv.vmm.working_set import WorkingSets
 
 log = logging.getLogger("agentenv.server")
 
@@ -71,12 +72,32 @@ def choose_runtime(config: Config) -> NodeRuntime:
             why = "no Firecracker binary found" if binary is None else probe.reason
             raise NodeSetupError(f"vmm=firecracker is not usable here: {why}")
     vmm_reason = vmm_choice_reason(config.vmm, "qemu", probe.accel)
+    advice, working_sets = guest_ram_advice(config)
     driver = QemuDriver(
         tb_size_mib=config.tcg_tb_size_mib,
         confinement=vmm_confinement(config),
         console_limit=config.console_log_bytes,
+        ram_advice=advice,
+        working_sets=working_sets,
     )
     return NodeRuntime(driver, probe.accel, f"{vmm_reason}; {accel_reason}")
+
+
+def guest_ram_advice(config: Config) -> tuple[Path | None, WorkingSets | None]:
+    """How QEMU maps guest RAM: QEMU's huge-page advice turned into MADV_RANDOM by the
+    preloaded library, and the node reading ahead what restored guests touch first
+    (``Config.guest_ram_huge_pages``); QEMU's own advice where the library is missing."""
+    if config.guest_ram_huge_pages:
+        return None, None
+    advice = find_ram_advice()
+    if advice is None:
+        log.warning(
+            "%s not found (scripts/install builds it): QEMU keeps its huge-page advice on "
+            "guest RAM, and every sandbox caches about 2 MiB of its RAM file per page touched",
+            RAM_ADVICE_NAME,
+        )
+        return None, None
+    return advice, WorkingSets(config.working_sets_dir)
 
 
 def vmm_choice_reason(setting: str, chosen: str, accel: str) -> str:

@@ -49,6 +49,7 @@ from agentenv.vmm.base import (
 )
 from agentenv.vmm.cgroups import VmmCgroups
 from agentenv.vmm.confine import Confinement, VmmJail
+from agentenv.vmm.launch import find_ram_advice
 from agentenv.vmm.process import read_cmdline
 from agentenv.vmm.qemu import QemuDriver
 from agentenv.vmm.qemu_vm import (
@@ -62,6 +63,7 @@ from agentenv.vmm.qemu_vm import (
     machine_of_argv,
     machine_of_snapshot,
 )
+from agentenv.vmm.working_set import PAGE, WorkingSets, resident_extents
 
 # -- accelerator probe (pure logic over a fake root) -------------------------------------
 
@@ -913,6 +915,56 @@ async def test_full_save_of_private_ram_then_restore(lab: Lab) -> None:
         assert {g for _, _, g in lines} == {"CHILDA"}
     finally:
         await restored.kill()
+
+
+@vm_test
+async def test_a_restore_reads_the_recorded_working_set_ahead(lab: Lab) -> None:
+    # A driver as the server makes it: QEMU's huge-page advice turned off by the
+    # preloaded library, and working sets read ahead. The machine is restored paused,
+    # so its guest touches nothing: what is in the page cache was read ahead.
+    assert lab.shared_snapshot is not None and lab.shared_snapshot.memory_file is not None
+    library = find_ram_advice()
+    assert library is not None, "scripts/install builds agentenv-ram-advice.so"
+    sets = WorkingSets(lab.root / "working-sets")
+    driver = QemuDriver(ram_advice=library, working_sets=sets)
+    source = lab.shared_snapshot.memory_file
+    key = sets.key(source)
+    assert key is not None
+    recorded = {(2048, 16), (40000, 3)}  # pages the test guest never uses
+    sets.directory.mkdir()
+    (sets.directory / key).write_text(json.dumps({"extents": sorted(recorded)}))
+    ram = lab.root / "read-ahead.ram"
+    shutil.copyfile(source, ram)
+    fd = os.open(ram, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    wanted = {p for first, n in recorded for p in range(first, first + n)}
+
+    def cached() -> set[int]:
+        return {p for first, n in resident_extents(ram) for p in range(first, first + n)}
+
+    assert not wanted & cached()
+    spec = lab.child_spec("read-ahead", "RA", ram, shared=True)
+    vm = await driver.restore(spec, lab.shared_snapshot, lab.root / "read-ahead", resume=False)
+    try:
+        assert vm.state is VMRunState.PAUSED
+        assert str(library) in Path(f"/proc/{vm.pid}/maps").read_text()
+        for _ in range(300):  # the reads run in the background: up to 30 s
+            if wanted <= cached():
+                break
+            await asyncio.sleep(0.1)
+        assert wanted <= cached()
+        # Once per file: the record stays as it was.
+        assert await driver.record_working_set(vm) == 0
+        # A capture's image gets the machine's cached pages as its working set.
+        image = lab.root / "read-ahead-image.ram"
+        image.write_bytes(b"")
+        assert await driver.record_working_set(vm, image) >= len(wanted) * PAGE
+    finally:
+        await vm.kill()
 
 
 @vm_test

@@ -213,6 +213,7 @@ class Capture:
         self.store.transition(rec.sandbox_id, SandboxState.RUNNING, state)
         shared = rec.memory_mode == "shared"
         sealed = False
+        own_memory_image: Path | None = None
         snap_dir = SnapshotDir(directory)
         try:
             if shared:
@@ -247,6 +248,7 @@ class Capture:
                 await clone_file(files.memory_file, memory, mode=0o400)
                 files = replace(files, memory_file=memory)
                 phases.mark("memory")
+                own_memory_image = memory
         except Exception as exc:
             with contextlib.suppress(VMMError):
                 await vm.resume_if_paused()
@@ -272,6 +274,13 @@ class Capture:
         finally:
             self.store.transition(rec.sandbox_id, state, SandboxState.RUNNING)
         phases.mark("resume")
+        if own_memory_image is not None:
+            # What the machine holds in memory is what the fork children and the
+            # snapshot's sandboxes will touch first: recorded for them to read ahead.
+            try:
+                await self.machines.driver.record_working_set(vm, own_memory_image)
+            except OSError as exc:
+                log.warning("snapshot %s: recording its working set failed: %s", snapshot_id, exc)
         # Counted from the images themselves: a flatten in progress may not have
         # rewritten its manifest yet.
         chain = [p for p in backing_chain(disk) if p.suffix == ".qcow2"]

@@ -5,9 +5,11 @@ vars, the clock and an entropy reseed) follows here, and whatever talks to the s
 waits for it (:meth:`EnvdInits.settled`). A new sandbox whose first ``/init`` failed has
 an envd without a token: it is refused traffic (:meth:`EnvdInits.check`).
 
-Owns the running ``/init`` tasks and the failures of first ones. Writes only a record's
-``envd_pending`` (cleared once its ``/init`` is done); the lifecycle decides when one
-runs and passes the sandbox's place among those starting, given back when it is over.
+Owns the running ``/init`` tasks, the failures of first ones, and what runs after a
+first one succeeded (``after_first``: the lifecycle's, given the sandbox's id). Writes
+only a record's ``envd_pending`` (cleared once its ``/init`` is done); the lifecycle
+decides when one runs and passes the sandbox's place among those starting, given back
+when it is over.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import httpx
 
@@ -37,6 +41,10 @@ class EnvdInits:
         self._running: dict[str, asyncio.Task[None]] = {}
         # Sandboxes whose first envd /init failed, and why (see check).
         self._failed: dict[str, str] = {}
+        #: Run after a sandbox's first /init succeeded, in a task of its own that a kill
+        #: or shutdown cancels.
+        self.after_first: Callable[[str], Coroutine[Any, Any, None]] | None = None
+        self._after: dict[str, asyncio.Task[None]] = {}
 
     def running(self, sandbox_id: str) -> asyncio.Task[None] | None:
         return self._running.get(sandbox_id)
@@ -86,6 +94,8 @@ class EnvdInits:
                 attempts,
             )
             self._failed.pop(rec.sandbox_id, None)
+            if first and self.after_first is not None:
+                self._start_after_first(rec.sandbox_id, self.after_first)
             rec.envd_pending = None
             try:
                 self.store.update_sandbox(rec.sandbox_id, envd_pending=None)
@@ -96,6 +106,21 @@ class EnvdInits:
 
         task = asyncio.get_running_loop().create_task(init())
         self._running[rec.sandbox_id] = task
+
+    def _start_after_first(
+        self, sandbox_id: str, work: Callable[[str], Coroutine[Any, Any, None]]
+    ) -> None:
+        async def run() -> None:
+            try:
+                await work(sandbox_id)
+            except Exception as exc:
+                log.warning("sandbox %s: work after its start failed: %s", sandbox_id, exc)
+            finally:
+                if self._after.get(sandbox_id) is task:
+                    del self._after[sandbox_id]
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._after[sandbox_id] = task
 
     async def settled(self, sandbox_id: str) -> None:
         """Wait for envd's /init of a sandbox just started or resumed (an operation that
@@ -125,15 +150,17 @@ class EnvdInits:
     def forget(self, sandbox_id: str) -> None:
         """A sandbox being killed: its /init, if still running, is pointless."""
         self._failed.pop(sandbox_id, None)
-        running = self._running.pop(sandbox_id, None)
-        if running is not None:
-            running.cancel()
+        for tasks in (self._running, self._after):
+            running = tasks.pop(sandbox_id, None)
+            if running is not None:
+                running.cancel()
 
     async def stop(self) -> None:
         """Cancel the /inits still running (a server shutting down): each stays owed in
         its record, and the next start runs it again."""
-        tasks = list(self._running.values())
+        tasks = [*self._running.values(), *self._after.values()]
         self._running.clear()
+        self._after.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -66,6 +66,9 @@ from agentenv.vmm.base import SnapshotFiles, VirtualMachine, VMMDriver, VMMError
 
 log = logging.getLogger("agentenv.orchestrator")
 
+#: Seconds after a new sandbox's envd /init before its working set is recorded.
+WORKING_SET_AFTER_S = 3.0
+
 S = SandboxState
 
 
@@ -150,6 +153,20 @@ class Lifecycle:
         self.report_free_pages = False
         # envd /init after a create or resume, which traffic to the sandbox waits for.
         self.inits = EnvdInits(store, http, envd_init_timeout)
+        self.inits.after_first = self._record_working_set
+
+    async def _record_working_set(self, sandbox_id: str) -> None:
+        """A few seconds into a new sandbox's life, what its guest touched of the RAM
+        it was restored from becomes what later restores read ahead (once per snapshot:
+        the driver keeps it; :mod:`agentenv.vmm.working_set`). The seconds let a first
+        command, which usually follows a create, be part of it."""
+        await asyncio.sleep(WORKING_SET_AFTER_S)
+        vm = self.machines.current(sandbox_id)
+        if vm is None or vm.state is not VMRunState.RUNNING:
+            return
+        recorded = await self.driver.record_working_set(vm)
+        if recorded:
+            log.info("sandbox %s: recorded a working set of %d KiB", sandbox_id, recorded // 1024)
 
     def existing(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox no operation is changing; :class:`SandboxNotFound`

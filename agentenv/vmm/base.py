@@ -338,6 +338,9 @@ class VirtualMachine(ABC):
 
     workdir: Path
     spec: MachineSpec
+    #: Set by the driver that restored it: the name the working set of the snapshot RAM
+    #: file it started from has (:mod:`agentenv.vmm.working_set`), None if it has none.
+    working_set_key: str | None = None
 
     @property
     @abstractmethod
@@ -464,6 +467,17 @@ class VMMDriver(ABC):
         """Start a new VMM process from ``snapshot`` (checked with
         :meth:`SnapshotFiles.check_compatible` first). The spec's drives and memory file
         may differ in path from the snapshotted machine's, not in shape."""
+
+    async def record_working_set(
+        self, vm: VirtualMachine, snapshot_memory: Path | None = None
+    ) -> int:
+        """Record the part of ``vm``'s RAM file in the host's page cache (what its guest
+        touched) as the working set of ``snapshot_memory`` (a RAM image just captured
+        from ``vm``), or by default of the snapshot RAM file ``vm`` was restored from,
+        for later restores to read ahead (once per file; :mod:`agentenv.vmm.working_set`).
+        Returns the bytes recorded, 0 if nothing was (a VMM without it, a record that
+        exists, a machine that was booted)."""
+        return 0
 
     def needs_own_memory(self, snapshot: SnapshotFiles) -> bool:
         """Whether a machine restored from ``snapshot`` must map RAM from a file of its

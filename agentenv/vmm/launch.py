@@ -187,6 +187,19 @@ def find_launcher() -> Path:
     )
 
 
+RAM_ADVICE_NAME = "agentenv-ram-advice.so"
+RAM_ADVICE_ENV = "AENV_RAM_ADVICE"
+
+
+def find_ram_advice() -> Path | None:
+    """``agentenv-ram-advice.so`` (``ram_advice.c``): ``$AENV_RAM_ADVICE`` if set, else
+    in the ``lib`` directory of the server's virtualenv, where ``scripts/install``
+    builds it; None if it is not there."""
+    configured = os.environ.get(RAM_ADVICE_ENV)
+    path = Path(configured) if configured else Path(sys.prefix) / "lib" / RAM_ADVICE_NAME
+    return path if path.is_absolute() and path.is_file() else None
+
+
 def _check_cgroup(path: Path) -> None:
     if not path.is_absolute() or not (path / "cgroup.procs").is_file():
         raise LaunchError(f"{path} is not a cgroup directory")

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 from dataclasses import replace
@@ -52,6 +53,7 @@ from agentenv.vmm.base import (
     MachineSpec,
     SnapshotFiles,
     SnapshotIncompatible,
+    VirtualMachine,
     VMMCommandError,
     VMMDriver,
     VMMError,
@@ -86,6 +88,9 @@ from agentenv.vmm.qemu_vm import (
     qmp_socket_path,
     reports_free_pages,
 )
+from agentenv.vmm.working_set import WorkingSets
+
+log = logging.getLogger("agentenv.vmm")
 
 _QEMU_ID = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 _MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
@@ -164,8 +169,15 @@ class QemuDriver(VMMDriver):
         migration_timeout: float = 300.0,
         confinement: Confinement | None = None,
         console_limit: int | None = CONSOLE_LIMIT_BYTES,
+        ram_advice: Path | None = None,
+        working_sets: WorkingSets | None = None,
     ) -> None:
         self.qemu_binary = qemu_binary
+        #: ``agentenv-ram-advice.so``, preloaded into every QEMU (see ``ram_advice.c``);
+        #: None leaves QEMU's huge-page advice on guest RAM.
+        self.ram_advice = ram_advice
+        #: Where the working sets of snapshot RAM files are kept; None: no read-ahead.
+        self.working_sets = working_sets
         self.tb_size_mib = tb_size_mib
         self.connect_timeout = connect_timeout
         self.command_timeout = command_timeout
@@ -296,7 +308,22 @@ class QemuDriver(VMMDriver):
                 "the snapshot's guest reports free pages, which QEMU punches out of the "
                 f"RAM file: it cannot map {spec.memory_file} privately (others map it too)"
             )
-        launch = await self._launch(spec, workdir, incoming=True, machine=machine, balloon=balloon)
+        # The guest's first pages are read while QEMU starts (working_set.py).
+        reading_ahead: asyncio.Future[int] | None = None
+        key: str | None = None
+        if self.working_sets is not None and snapshot.memory_file is not None:
+            key = self.working_sets.key(snapshot.memory_file)
+            prefetch = self.working_sets.prefetch
+            reading_ahead = asyncio.ensure_future(
+                asyncio.to_thread(prefetch, snapshot.memory_file, spec.memory_file)
+            )
+        try:
+            launch = await self._launch(
+                spec, workdir, incoming=True, machine=machine, balloon=balloon
+            )
+        finally:
+            if reading_ahead is not None:
+                await _read_ahead_done(reading_ahead, spec.memory_file)
         process, qmp = launch.process, launch.qmp
         timeout = self.command_timeout
         try:
@@ -332,7 +359,20 @@ class QemuDriver(VMMDriver):
                 f"restoring {snapshot.state_file} failed: {exc}\n{logs_tail(workdir)}"
             ) from exc
         state = VMRunState.RUNNING if resume else VMRunState.PAUSED
-        return self._handle(spec, workdir, launch, state)
+        vm = self._handle(spec, workdir, launch, state)
+        vm.working_set_key = key
+        return vm
+
+    async def record_working_set(
+        self, vm: VirtualMachine, snapshot_memory: Path | None = None
+    ) -> int:
+        sets = self.working_sets
+        if sets is None:
+            return 0
+        key = vm.working_set_key if snapshot_memory is None else sets.key(snapshot_memory)
+        if key is None or sets.has(key):
+            return 0
+        return await asyncio.to_thread(sets.record, key, vm.spec.memory_file)
 
     async def attach(self, workdir: Path) -> QemuVM:
         try:
@@ -390,6 +430,14 @@ class QemuDriver(VMMDriver):
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _environment(self) -> dict[str, str] | None:
+        """QEMU's environment: the server's, with the RAM advice library preloaded."""
+        if self.ram_advice is None:
+            return None
+        env = dict(os.environ)
+        env["LD_PRELOAD"] = " ".join(filter(None, (str(self.ram_advice), env.get("LD_PRELOAD"))))
+        return env
+
     def _handle(
         self, spec: MachineSpec, workdir: Path, launch: QemuLaunch, state: VMRunState
     ) -> QemuVM:
@@ -433,6 +481,7 @@ class QemuDriver(VMMDriver):
             # image): QEMU 7.2 would punch the pages the guest's balloon hands back out
             # of it. Confined or not, that is another sandbox's memory.
             deny_hole_punching=not spec.memory_shared,
+            env=self._environment(),
         )
         jail: VmmJail | None = None
         # An incoming VMM (-S -incoming defer) runs no guest code until the restore's
@@ -564,3 +613,14 @@ class QemuDriver(VMMDriver):
         if qmp is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(qmp.disconnect(), 2.0)
+
+
+async def _read_ahead_done(reading: asyncio.Future[int], ram_file: Path) -> None:
+    """Wait for the read-ahead requests to be submitted; a failure costs speed only."""
+    try:
+        asked = await reading
+    except OSError as exc:
+        log.warning("reading ahead the working set of %s failed: %s", ram_file, exc)
+        return
+    if asked:
+        log.debug("read ahead %d KiB of %s", asked // 1024, ram_file)
