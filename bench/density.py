@@ -13,6 +13,15 @@ same run). Then sandboxes are created, all left idle, up to each level of ``--le
                     write back and drop
   echo round trip   ``echo`` through the proxy in every sandbox, one after the other
                     (``bash -l -c``, as the SDK's ``commands.run``), p50 and p99
+  host memory parts anonymous, mapped and cached (dirty, under writeback) memory and free
+                    memory from /proc/meminfo, and over the CPU window the rates of major
+                    faults, file refaults and reclaimed pages and the share of time tasks
+                    stalled on memory and I/O (PSI): ``MemAvailable`` counts the page
+                    cache of guest RAM files as available, so "host used" alone hides a
+                    host that is out of memory and thrashing
+
+While sandboxes are being created, a line of those host figures is printed every
+``--trace-every`` seconds. ``--memory-mode`` sets the node's ``AENV_SANDBOX_MEMORY``.
 
 A level passes when every sandbox answered within twice the single-sandbox median (a
 sandbox slower than that is asked once more, and fails if slow again). The levels above a
@@ -83,6 +92,85 @@ def pss_bytes(pid: int, field: str = "Pss") -> int:
     return 0
 
 
+def vmstat() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        out[key] = int(value)
+    return out
+
+
+def pressure_total_us(resource: str) -> int:
+    """The host's cumulative ``some`` stall time for ``resource`` (memory, io, cpu), µs."""
+    try:
+        first = Path(f"/proc/pressure/{resource}").read_text().splitlines()[0]
+    except OSError:
+        return 0
+    return int(first.rsplit("total=", 1)[1])
+
+
+#: /proc/vmstat counters whose growth over a window says the host is short of memory:
+#: major faults (pages read back from disk), file pages refaulted soon after reclaim, and
+#: pages reclaimed by kswapd or by allocating tasks themselves.
+RECLAIM_COUNTERS = (
+    "pgmajfault",
+    "workingset_refault_file",
+    "pgsteal_kswapd",
+    "pgsteal_direct",
+)
+
+
+class HostSample:
+    """What the host's memory is made of at one moment, and its reclaim counters."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+        self.memory = meminfo()
+        self.counters = vmstat()
+        self.stall_us = {r: pressure_total_us(r) for r in ("memory", "io")}
+
+    def breakdown(self) -> dict[str, int]:
+        """MiB of the parts that matter here: anonymous pages (QEMU heaps, translation
+        caches), mapped file pages (guest RAM files the VMMs map), the rest of the page
+        cache, dirty and under writeback, and free."""
+        m = self.memory
+        return {
+            "anon_mib": m["AnonPages"] // MIB,
+            "mapped_mib": m["Mapped"] // MIB,
+            "cached_mib": m["Cached"] // MIB,
+            "dirty_mib": m["Dirty"] // MIB,
+            "writeback_mib": m["Writeback"] // MIB,
+            "free_mib": m["MemFree"] // MIB,
+            "available_mib": m["MemAvailable"] // MIB,
+        }
+
+    def since(self, earlier: HostSample) -> dict[str, float]:
+        """Per-second rates of the reclaim counters, and the share of the interval some
+        task stalled on memory and on I/O (PSI ``some``), between ``earlier`` and this."""
+        seconds = max(1e-6, self.at - earlier.at)
+        rates: dict[str, float] = {
+            f"{key}_per_s": (self.counters.get(key, 0) - earlier.counters.get(key, 0)) / seconds
+            for key in RECLAIM_COUNTERS
+        }
+        for resource, total in self.stall_us.items():
+            stalled = (total - earlier.stall_us[resource]) / 1e6
+            rates[f"{resource}_stall_pct"] = 100.0 * stalled / seconds
+        return rates
+
+
+def describe(sample: HostSample, rates: dict[str, float]) -> str:
+    b = sample.breakdown()
+    return (
+        f"anon {b['anon_mib']} MiB, mapped {b['mapped_mib']}, cached {b['cached_mib']} "
+        f"(dirty {b['dirty_mib']}, writeback {b['writeback_mib']}), free {b['free_mib']}; "
+        f"major faults {rates['pgmajfault_per_s']:.0f}/s, refaults "
+        f"{rates['workingset_refault_file_per_s']:.0f}/s, reclaimed "
+        f"{rates['pgsteal_kswapd_per_s'] + rates['pgsteal_direct_per_s']:.0f} pages/s, "
+        f"stalled on memory {rates['memory_stall_pct']:.0f} % and I/O "
+        f"{rates['io_stall_pct']:.0f} % of the time; load {os.getloadavg()[0]:.0f}"
+    )
+
+
 class Refused(Exception):
     """The node refused a create (admission control), with its answer."""
 
@@ -131,6 +219,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     env = {"AENV_NETWORK_LINGER": "1"}
     if args.overcommit is not None:
         env["AENV_MEMORY_OVERCOMMIT"] = str(args.overcommit)
+    if args.memory_mode is not None:
+        env["AENV_SANDBOX_MEMORY"] = args.memory_mode
     server = ServerProcess(home=home / "node", extra_env=env)
     levels: list[dict[str, Any]] = []
     stopped = "reached the last level"
@@ -148,10 +238,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"one sandbox: echo p50 {single_p50:.0f} ms (limit {2 * single_p50:.0f} ms)")
             guest_ram = int(api.get(f"/sandboxes/{sandboxes[0][0]}").json()["memoryMB"]) * MIB
             host_ram = meminfo()["MemTotal"]
+            traced = HostSample()
             for level in args.levels:
                 try:
                     while len(sandboxes) < level:
                         sandboxes.append(create(api, args.reserve_mib))
+                        if time.monotonic() - traced.at >= args.trace_every:
+                            now = HostSample()
+                            print(f"  {len(sandboxes)} created; {describe(now, now.since(traced))}")
+                            traced = now
                 except Refused as refused:
                     stopped = f"the node refused sandbox {len(sandboxes) + 1}: {refused}"
                     print(stopped)
@@ -162,7 +257,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 time.sleep(args.settle)
                 memory = meminfo()
+                before = HostSample()
                 cpu = host_cpu_percent(args.window)
+                after = HostSample()
+                host_rates = after.since(before)
                 pids = vmm_pids(str(server.home))
                 pss = [pss_bytes(pid) for pid in pids]
                 pss_anon = [pss_bytes(pid, "Pss_Anon") for pid in pids]
@@ -190,6 +288,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "slow_at_first": sum(1 for ms in first if ms > limit),
                     "slow_twice": sum(1 for ms in echoes if ms > limit),
                     "all_within_2x": max(echoes) <= limit,
+                    "host_memory": after.breakdown(),
+                    "host_reclaim": host_rates,
                 }
                 levels.append(row)
                 print(
@@ -201,6 +301,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"{row['slow_at_first']} slow once, {row['slow_twice']} slow twice "
                     f"({row['no_answer']} of them did not answer)"
                 )
+                print(f"        host: {describe(after, host_rates)}")
                 if not row["all_within_2x"] and failed_at is None:
                     failed_at = (
                         f"at {level} sandboxes {row['slow_twice']} sandbox(es) took more than "
@@ -231,6 +332,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "stopped": stopped,
         "first_failure": failed_at,
         "node_overcommit_setting": args.overcommit,
+        "node_memory_mode": args.memory_mode,
         "reserve_mib": args.reserve_mib,
     }
 
@@ -260,6 +362,18 @@ def main() -> None:
         type=int,
         default=2048,
         help="stop creating once the host has less memory available than this",
+    )
+    parser.add_argument(
+        "--memory-mode",
+        choices=("file", "shared-image"),
+        default=None,
+        help="the node's AENV_SANDBOX_MEMORY (default: the node's own default)",
+    )
+    parser.add_argument(
+        "--trace-every",
+        type=float,
+        default=30.0,
+        help="seconds between host memory lines while sandboxes are being created",
     )
     parser.add_argument("--data-dir", type=Path, default=Path("/var/tmp/agentenv-bench"))
     parser.add_argument("--json", type=Path, default=Path("bench/results/density.json"))
