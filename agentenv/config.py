@@ -265,6 +265,11 @@ class Config(BaseModel):
     # the node into swap or the OOM killer. Idle sandboxes use a fraction of their RAM
     # (bench/density.py). 0: no limit.
     memory_overcommit: float = Field(default=4.0, ge=0)
+    # MiB of memory the host keeps beyond what its VMMs use: a create, fork or resume is
+    # refused (503) while less is left (MemAvailable less the mapped file pages, which
+    # are guest RAM). The overcommit ratio assumes what idle sandboxes use; this holds
+    # when they use more. 0: no check.
+    memory_reserve_mib: int = Field(default=1024, ge=0)
     # How much of a VM's console output is kept (the most recent), K/M/G suffixes.
     console_log_size: str = "1M"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.orchestrator.errors import CapacityExhausted
-from agentenv.orchestrator.resources import MemoryBudget, host_ram_mib
+from agentenv.orchestrator.resources import MemoryBudget, host_headroom_mib, host_ram_mib
 from agentenv.orchestrator.store import Store
 from tests.fakes import FAKE_TEMPLATE, start_node
 
@@ -29,6 +29,30 @@ def test_budget_arithmetic() -> None:
     assert budget.lent_mib() == 0  # released with the start, whatever its outcome
     assert MemoryBudget(store, overcommit=0, host_mib=1000).limit_mib is None
     store.close()
+
+
+def test_starts_are_refused_while_the_host_is_below_its_reserve() -> None:
+    store = Store(None)
+    store.open()
+    headroom = [5000]
+    budget = MemoryBudget(
+        store, overcommit=0, host_mib=1000, reserve_mib=1024, headroom_mib=lambda: headroom[0]
+    )
+    budget.admit(512, "create")
+    headroom[0] = 1000
+    with pytest.raises(CapacityExhausted, match=r"has 1000 MiB .* below its 1024 MiB reserve"):
+        budget.admit(512, "resume")
+    # 0 turns the check off.
+    MemoryBudget(store, overcommit=0, host_mib=1000, headroom_mib=lambda: 0).admit(512, "fork")
+    store.close()
+
+
+def test_the_host_headroom_leaves_out_mapped_pages() -> None:
+    info = {
+        line.split(":")[0]: int(line.split()[1]) // 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+    }
+    assert host_headroom_mib() <= info["MemAvailable"] - info["Mapped"] + 64
 
 
 async def test_starts_beyond_the_budget_are_refused(tmp_path: Path) -> None:

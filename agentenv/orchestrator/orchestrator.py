@@ -218,7 +218,9 @@ class Orchestrator:
             self.http,
             self.volumes,
             boot_timeout=config.template_boot_timeout,
-            memory=MemoryBudget(self.store, config.memory_overcommit),
+            memory=MemoryBudget(
+                self.store, config.memory_overcommit, reserve_mib=config.memory_reserve_mib
+            ),
             starts=StartGate(config.start_places, START_WAIT_S),
             mode=self.mode,
             envd_init_timeout=config.envd_init_timeout,

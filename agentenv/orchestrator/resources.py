@@ -87,16 +87,42 @@ def host_ram_mib() -> int:
     raise RuntimeError("/proc/meminfo has no MemTotal")
 
 
+def host_headroom_mib() -> int:
+    """Memory the host can still give, in MiB: ``MemAvailable`` less the mapped file
+    pages. ``MemAvailable`` counts all file pages as reclaimable, but the page cache of
+    a guest RAM file the VMM maps is that guest's memory: reclaimed, it is read back at
+    the guest's next touch (a host short of memory thrashes while ``MemAvailable`` still
+    shows gigabytes; bench/density.py)."""
+    info: dict[str, int] = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemAvailable", "Mapped"):
+            info[key] = int(rest.split()[0])
+    return (info["MemAvailable"] - info.get("Mapped", 0)) // 1024
+
+
 class MemoryBudget:
     """Guest RAM lent to sandboxes with a VMM, against the node's RAM times
-    ``Config.memory_overcommit``: a start beyond it is refused (:class:`CapacityExhausted`,
-    503) instead of tipping the node into swap or the OOM killer. A sandbox being started
-    holds a reservation until its record shows it."""
+    ``Config.memory_overcommit``, and the host's own headroom (:func:`host_headroom_mib`)
+    against ``Config.memory_reserve_mib``: a start beyond either is refused
+    (:class:`CapacityExhausted`, 503) instead of tipping the node into thrashing, swap or
+    the OOM killer. A sandbox being started holds a reservation until its record shows
+    it."""
 
-    def __init__(self, store: Store, overcommit: float, host_mib: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        overcommit: float,
+        host_mib: int | None = None,
+        *,
+        reserve_mib: int = 0,
+        headroom_mib: Callable[[], int] = host_headroom_mib,
+    ) -> None:
         self.store = store
         self.overcommit = overcommit
         self.host_mib = host_mib if host_mib is not None else host_ram_mib()
+        self.reserve_mib = reserve_mib
+        self.headroom_mib = headroom_mib
         self._reserved: dict[str, int] = {}
 
     @property
@@ -116,6 +142,14 @@ class MemoryBudget:
         """:class:`CapacityExhausted` unless ``memory_mib`` more fits in the limit. A
         caller that starts the VMM after awaiting something holds a reservation instead
         (:meth:`hold`); one that changes the record's state right after needs none."""
+        if self.reserve_mib > 0:
+            headroom = self.headroom_mib()
+            if headroom < self.reserve_mib:
+                raise CapacityExhausted(
+                    f"{operation} refused: this node's host has {headroom} MiB of memory "
+                    f"left (beyond what its VMMs map), below its {self.reserve_mib} MiB "
+                    "reserve"
+                )
         limit = self.limit_mib
         if limit is None:
             return
