@@ -29,6 +29,7 @@ import json
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 log = logging.getLogger("agentenv.vmm")
@@ -160,7 +161,8 @@ class WorkingSets:
             return 0
         extents = resident_extents(ram_file)
         self.directory.mkdir(parents=True, exist_ok=True)
-        temporary = record.with_name(f".{record.name}.{os.getpid()}")
+        # Two sandboxes of one snapshot may record at once, from two threads.
+        temporary = record.with_name(f".{record.name}.{os.getpid()}.{threading.get_ident()}")
         temporary.write_text(json.dumps({"page_size": PAGE, "extents": extents}))
         os.replace(temporary, record)
         self._prune()
