@@ -419,3 +419,15 @@ def cached_venv(name: str, requirement: str) -> Path:
         raise
     done.write_text(requirement + "\n")
     return venv
+
+
+def drop_from_page_cache(path: Path) -> Path:
+    """``path`` written back and its pages dropped from the host's page cache (clean,
+    unmapped pages go; a filesystem like tmpfs keeps them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path

@@ -64,6 +64,7 @@ from agentenv.vmm.qemu_vm import (
     machine_of_snapshot,
 )
 from agentenv.vmm.working_set import PAGE, WorkingSets, resident_extents
+from tests.helpers import drop_from_page_cache
 
 # -- accelerator probe (pure logic over a fake root) -------------------------------------
 
@@ -935,12 +936,7 @@ async def test_a_restore_reads_the_recorded_working_set_ahead(lab: Lab) -> None:
     (sets.directory / key).write_text(json.dumps({"extents": sorted(recorded)}))
     ram = lab.root / "read-ahead.ram"
     shutil.copyfile(source, ram)
-    fd = os.open(ram, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_from_page_cache(ram)
     wanted = {p for first, n in recorded for p in range(first, first + n)}
 
     def cached() -> set[int]:

@@ -22,6 +22,7 @@ from agentenv.vmm.working_set import (
     read_ahead,
     resident_extents,
 )
+from tests.helpers import drop_from_page_cache
 
 PAGES = 256
 
@@ -30,13 +31,7 @@ def _uncached_file(path: Path, data: bytes | None = None) -> Path:
     """A file of data (``PAGES`` random pages by default), written back and dropped
     from the page cache."""
     path.write_bytes(os.urandom(PAGES * PAGE) if data is None else data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return path
+    return drop_from_page_cache(path)
 
 
 def _touch(path: Path, pages: list[int]) -> None:
