@@ -38,6 +38,8 @@ from agentenv.vmm.base import DiskCapture, VMMError
 log = logging.getLogger("agentenv.orchestrator")
 
 MIB = 1024 * 1024
+#: Seconds after a pause or snapshot before its RAM file is reshared.
+RESHARE_AFTER_S = 5.0
 # Longest chain of qcow2 images a snapshot's disk may have before it is flattened onto
 # its template's image. Every read of a cluster a layer does not hold walks down the
 # chain (one lookup per layer, each layer with its own L2 cache in QEMU), so reads slow
@@ -111,6 +113,12 @@ class Resharing:
         async def run() -> None:
             loop = asyncio.get_running_loop()
             try:
+                # Not at once: a sandbox paused and resumed within seconds (a connect
+                # right after a pause) would wait for the dedupe call in progress, and
+                # the comparison's Python holds the GIL the event loop needs.
+                await asyncio.sleep(RESHARE_AFTER_S)
+                if job.stop.is_set():
+                    return
                 if os.path.samefile(memory, like):
                     return
                 shared = await loop.run_in_executor(self._thread, job.run)

@@ -66,9 +66,6 @@ from agentenv.vmm.base import SnapshotFiles, VirtualMachine, VMMDriver, VMMError
 
 log = logging.getLogger("agentenv.orchestrator")
 
-#: Seconds after a new sandbox's envd /init before its working set is recorded.
-WORKING_SET_AFTER_S = 3.0
-
 S = SandboxState
 
 
@@ -153,20 +150,7 @@ class Lifecycle:
         self.report_free_pages = False
         # envd /init after a create or resume, which traffic to the sandbox waits for.
         self.inits = EnvdInits(store, http, envd_init_timeout)
-        self.inits.after_first = self._record_working_set
-
-    async def _record_working_set(self, sandbox_id: str) -> None:
-        """A few seconds into a new sandbox's life, what its guest touched of the RAM
-        it was restored from becomes what later restores read ahead (once per snapshot:
-        the driver keeps it; :mod:`agentenv.vmm.working_set`). The seconds let a first
-        command, which usually follows a create, be part of it."""
-        await asyncio.sleep(WORKING_SET_AFTER_S)
-        vm = self.machines.current(sandbox_id)
-        if vm is None or vm.state is not VMRunState.RUNNING:
-            return
-        recorded = await self.driver.record_working_set(vm)
-        if recorded:
-            log.info("sandbox %s: recorded a working set of %d KiB", sandbox_id, recorded // 1024)
+        self.inits.after_first = machines.record_working_set_soon
 
     def existing(self, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox no operation is changing; :class:`SandboxNotFound`
@@ -397,6 +381,10 @@ class Lifecycle:
         self.machines.pop(sandbox_id)
         await vm.kill()
         phases.mark("vm")
+        # A sandbox paused within seconds of its start leaves its source's working set
+        # (once per snapshot), as a kill does. Its own RAM file gets none: its pages are
+        # still cached when a resume follows soon, and recording them cost a pause 8 ms.
+        await self.machines.record_working_set(sandbox_id, vm)
         self.sync.prepare_upload(rec)
         self.resharing.later(
             rec, files.memory_file, f"sandbox {sandbox_id} (paused)", paused=sandbox_id
@@ -591,6 +579,10 @@ class Lifecycle:
             address = self.network.describe(rec.slot).guest_address
             await self.volumes.flush_in_guest(self.http, address, rec.envd_token, rec.volumes)
         if vm is not None:
+            if rec.state == S.RUNNING:
+                # A sandbox killed within seconds of its start (short rollouts) would
+                # otherwise never leave a working set for the next ones to read ahead.
+                await self.machines.record_working_set(sandbox_id, vm)
             await vm.kill()
         else:
             await self.machines.kill_leftover(SandboxDir(rec.workdir).vm_dir)

@@ -7,6 +7,8 @@ polling). A VM that exits while still attached exited unexpectedly (the server d
 a VM, :meth:`Machines.pop`, before it stops or kills it): the exit handler is told
 (:class:`~.liveness.VmmLiveness` settles the sandbox). Does not change sandbox states
 (its callers do, through the store) and does not decide when a VM starts or stops.
+Asks the driver to record a started machine's working set (what later restores of its
+snapshot read ahead) a few seconds after its start, or when it is about to go.
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ from agentenv.vmm.base import (
     VMMDriver,
     VMMError,
     VMMExit,
+    VMRunState,
 )
 
 log = logging.getLogger("agentenv.orchestrator")
+
+#: Seconds after a new sandbox's envd /init before its working set is recorded.
+WORKING_SET_AFTER_S = 3.0
 
 
 #: Empty volume drives every template is snapshotted with (sparse files, nothing on
@@ -106,6 +112,30 @@ class Machines:
         self._watches[sandbox_id] = asyncio.get_running_loop().create_task(
             self._watch(sandbox_id, vm), name=f"vmm-exit-{sandbox_id}"
         )
+
+    async def record_working_set_soon(self, sandbox_id: str) -> None:
+        """A few seconds into a new sandbox's life, what its guest touched of the RAM it
+        was restored from becomes what later restores read ahead (once per snapshot:
+        the driver keeps it; :mod:`agentenv.vmm.working_set`). The seconds let a first
+        command, which usually follows a create, be part of it."""
+        started = self.current(sandbox_id)
+        await asyncio.sleep(WORKING_SET_AFTER_S)
+        vm = self.current(sandbox_id)
+        # The same machine: one paused and resumed meanwhile started from its own file.
+        if vm is not None and vm is started and vm.state is VMRunState.RUNNING:
+            await self.record_working_set(sandbox_id, vm)
+
+    async def record_working_set(self, sandbox_id: str, vm: VirtualMachine) -> None:
+        """Record ``vm``'s source's working set now, if it has none yet: a sandbox
+        killed or paused within seconds of its start (short rollouts) would otherwise
+        never leave one."""
+        try:
+            recorded = await self.driver.record_working_set(vm)
+        except OSError as exc:
+            log.warning("sandbox %s: recording its working set failed: %s", sandbox_id, exc)
+            return
+        if recorded:
+            log.info("sandbox %s: recorded a working set of %d KiB", sandbox_id, recorded // 1024)
 
     def pop(self, sandbox_id: str) -> VirtualMachine | None:
         """Detach the sandbox's VM (before stopping or killing it on purpose: its exit

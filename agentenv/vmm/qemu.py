@@ -88,7 +88,7 @@ from agentenv.vmm.qemu_vm import (
     qmp_socket_path,
     reports_free_pages,
 )
-from agentenv.vmm.working_set import WorkingSets
+from agentenv.vmm.working_set import Extents, WorkingSets, read_ahead
 
 log = logging.getLogger("agentenv.vmm")
 
@@ -308,22 +308,18 @@ class QemuDriver(VMMDriver):
                 "the snapshot's guest reports free pages, which QEMU punches out of the "
                 f"RAM file: it cannot map {spec.memory_file} privately (others map it too)"
             )
-        # The guest's first pages are read while QEMU starts (working_set.py).
-        reading_ahead: asyncio.Future[int] | None = None
         key: str | None = None
         if self.working_sets is not None and snapshot.memory_file is not None:
-            key = self.working_sets.key(snapshot.memory_file)
-            prefetch = self.working_sets.prefetch
-            reading_ahead = asyncio.ensure_future(
-                asyncio.to_thread(prefetch, snapshot.memory_file, spec.memory_file)
-            )
-        try:
-            launch = await self._launch(
-                spec, workdir, incoming=True, machine=machine, balloon=balloon
-            )
-        finally:
-            if reading_ahead is not None:
-                await _read_ahead_done(reading_ahead, spec.memory_file)
+            # A machine that maps its source shared (a resumed sandbox's own RAM file)
+            # changes that file as it runs: what it touches describes no snapshot.
+            if not (spec.memory_shared and spec.memory_file == snapshot.memory_file):
+                key = self.working_sets.key(snapshot.memory_file)
+            # Looked up before the machine can change its file; the reads are asked for
+            # while QEMU starts, and nothing waits for them (working_set.py).
+            extents = self.working_sets.extents(snapshot.memory_file)
+            if extents:
+                _read_ahead_in_background(spec.memory_file, extents)
+        launch = await self._launch(spec, workdir, incoming=True, machine=machine, balloon=balloon)
         process, qmp = launch.process, launch.qmp
         timeout = self.command_timeout
         try:
@@ -615,12 +611,19 @@ class QemuDriver(VMMDriver):
                 await asyncio.wait_for(qmp.disconnect(), 2.0)
 
 
-async def _read_ahead_done(reading: asyncio.Future[int], ram_file: Path) -> None:
-    """Wait for the read-ahead requests to be submitted; a failure costs speed only."""
-    try:
-        asked = await reading
-    except OSError as exc:
-        log.warning("reading ahead the working set of %s failed: %s", ram_file, exc)
-        return
-    if asked:
-        log.debug("read ahead %d KiB of %s", asked // 1024, ram_file)
+#: Read-aheads being asked for, kept until done (a task nobody holds may be collected).
+_READING_AHEAD: set[asyncio.Future[int]] = set()
+
+
+def _read_ahead_in_background(ram_file: Path, extents: Extents) -> None:
+    """Ask for ``extents`` of ``ram_file`` from a thread; a failure costs speed only."""
+    reading = asyncio.ensure_future(asyncio.to_thread(read_ahead, ram_file, extents))
+    _READING_AHEAD.add(reading)
+
+    def done(task: asyncio.Future[int]) -> None:
+        _READING_AHEAD.discard(task)
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:
+            log.warning("reading ahead the working set of %s failed: %s", ram_file, failure)
+
+    reading.add_done_callback(done)

@@ -29,6 +29,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -82,22 +83,20 @@ def resident_extents(path: Path) -> Extents:
     return _runs(resident)
 
 
+#: mincore's bytes mapped to their low bit, "resident" (the other bits are reserved).
+_LOW_BIT = bytes(value & 1 for value in range(256))
+_RESIDENT_RUN = re.compile(b"\x01+")
+
+
 def _runs(resident: bytes) -> Extents:
-    """(first, count) runs of pages whose low bit is set (mincore's "resident"; its other
-    bits are reserved), runs at most :data:`MERGE_GAP_PAGES` apart merged."""
+    """(first, count) runs of resident pages, runs at most :data:`MERGE_GAP_PAGES`
+    apart merged (in C: a 512 MiB file's vector takes about a millisecond)."""
     extents: Extents = []
-    start: int | None = None
-    for index, flags in enumerate((*resident, 0)):
-        if flags & 1:
-            if start is None:
-                start = index
-            continue
-        if start is None:
-            continue
+    for run in _RESIDENT_RUN.finditer(resident.translate(_LOW_BIT)):
+        start, end = run.span()
         if extents and start - sum(extents[-1]) <= MERGE_GAP_PAGES:
             start = extents.pop()[0]
-        extents.append((start, index - start))
-        start = None
+        extents.append((start, end - start))
     return extents
 
 
@@ -133,22 +132,27 @@ class WorkingSets:
         path = self._record_path(source)
         return path.name if path is not None else None
 
-    def prefetch(self, source: Path, ram_file: Path) -> int:
-        """Read ahead in ``ram_file`` (a clone of ``source``, or ``source`` itself) the
-        pages recorded for ``source``; returns the bytes asked for, 0 without a record."""
+    def extents(self, source: Path) -> Extents | None:
+        """The pages recorded for ``source`` as it is now; None without a record (an
+        unreadable one is dropped)."""
         record = self._record_path(source)
         if record is None:
-            return 0
+            return None
         try:
-            extents = [(int(a), int(b)) for a, b in json.loads(record.read_text())["extents"]]
+            return [(int(a), int(b)) for a, b in json.loads(record.read_text())["extents"]]
         except FileNotFoundError:
-            return 0
+            return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("working set %s unreadable, dropped: %s", record, exc)
             with contextlib.suppress(OSError):
                 record.unlink()
-            return 0
-        return read_ahead(ram_file, extents)
+            return None
+
+    def prefetch(self, source: Path, ram_file: Path) -> int:
+        """Read ahead in ``ram_file`` (a clone of ``source``, or ``source`` itself) the
+        pages recorded for ``source``; returns the bytes asked for, 0 without a record."""
+        extents = self.extents(source)
+        return read_ahead(ram_file, extents) if extents else 0
 
     def has(self, key: str) -> bool:
         return (self.directory / key).exists()
