@@ -41,6 +41,8 @@ PAGE = mmap.PAGESIZE
 MERGE_GAP_PAGES = 2
 #: Records kept at most; the oldest go first (each is a few KiB).
 MAX_RECORDS = 2048
+#: Records kept parsed in memory.
+PARSED_KEPT = 64
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -119,6 +121,9 @@ class WorkingSets:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        # Records never change once written: the last ones read, kept parsed (a create
+        # looks its source's up on the event loop).
+        self._parsed: dict[str, Extents] = {}
 
     def _record_path(self, source: Path) -> Path | None:
         try:
@@ -138,8 +143,12 @@ class WorkingSets:
         record = self._record_path(source)
         if record is None:
             return None
+        parsed = self._parsed.get(record.name)
+        if parsed is not None:
+            return parsed
         try:
-            return [(int(a), int(b)) for a, b in json.loads(record.read_text())["extents"]]
+            text = record.read_text()
+            parsed = [(int(a), int(b)) for a, b in json.loads(text)["extents"]]
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -147,6 +156,10 @@ class WorkingSets:
             with contextlib.suppress(OSError):
                 record.unlink()
             return None
+        if len(self._parsed) >= PARSED_KEPT:
+            self._parsed.pop(next(iter(self._parsed)))
+        self._parsed[record.name] = parsed
+        return parsed
 
     def prefetch(self, source: Path, ram_file: Path) -> int:
         """Read ahead in ``ram_file`` (a clone of ``source``, or ``source`` itself) the
