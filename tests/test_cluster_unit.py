@@ -34,6 +34,7 @@ from tests.cluster_support import (
     KEY,
     Clock,
     ServedApp,
+    ServedGateway,
     echo_node,
     redis_server,
     registry,
@@ -451,7 +452,7 @@ def test_websockets_pass_through_the_gateway_both_ways() -> None:
             await reg.bind("iws", "a")
 
         asyncio.run(register())
-        with ServedApp(gw) as served:
+        with ServedGateway(gw) as served:
             url = f"ws://127.0.0.1:{served.port}/ws"
             with connect(url, additional_headers={"E2b-Sandbox-Id": "iws"}) as ws:
                 assert ws.recv(timeout=10) == f"127.0.0.1:{served.port} iws"
@@ -632,7 +633,7 @@ def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", endless)])) as node:
         scheduler = _scheduler_binding("istream", "a", node.url)
-        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+        with ServedGateway(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 traffic = {"E2b-Sandbox-Id": "istream"}
                 with client.stream("GET", "/process", headers=traffic) as answer:
@@ -654,7 +655,7 @@ def test_answers_through_the_gateway_carry_one_date() -> None:
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", dated)])) as node:
         scheduler = _scheduler_binding("idated", "a", node.url)
-        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+        with ServedGateway(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 for answer in (
                     client.get("/health", headers={"E2b-Sandbox-Id": "idated"}),
@@ -683,7 +684,7 @@ def test_a_request_body_keeps_its_framing_through_the_gateway() -> None:
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", record, methods=["POST"])])) as node:
         scheduler = _scheduler_binding("ibody", "a", node.url)
-        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+        with ServedGateway(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 traffic = {"E2b-Sandbox-Id": "ibody"}
                 sized = client.post("/process.Process/Start", content=b"x" * 54, headers=traffic)
