@@ -13,10 +13,14 @@ scheduler, so several gateways can run against one scheduler.
   healthy node (the same one while it is up, so a template build's polls find it).
 - Sandbox traffic (``E2b-Sandbox-Id`` headers, ``{port}-{id}.{domain}`` hosts) is relayed
   to the owning node's proxy as it came (headers and Host kept), streaming both ways,
-  WebSockets included (``traffic`` does it); the node's proxy checks tokens and reaches
-  the guest. A signed
-  ``/files`` URL naming no sandbox goes to the node whose sandbox signed it
-  (``signed_files``).
+  WebSockets included, by the gateway's front (``front``), byte for byte over pooled
+  keep-alive connections (``upstreams``), before this app: the front asks it only where
+  a sandbox is (:meth:`Gateway.traffic_route`, the route cache) and times what it relays
+  in its metrics. The node's proxy checks tokens and reaches the guest. This app is
+  served behind the front (``gateway_server``) and answers everything else; served
+  alone, it refuses a sandbox's traffic (421). A signed ``/files`` URL naming no sandbox
+  goes to the node whose sandbox signed it (``signed_files``), relayed by this app
+  (``traffic``).
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
   404; a scheduler that cannot be reached is a 503 too.
 - Nodes serving TLS (reporting ``https://`` URLs) are reached over HTTPS and WebSockets
@@ -26,9 +30,10 @@ The gateway checks the API key only on what it answers itself (``/nodes``, ``/me
 nodes check everything they are sent. ``GET /nodes`` lists every node the scheduler
 knows as E2B's ``Node`` (``unhealthy`` while down); ``GET /nodes/{id}`` is that node's
 own answer, or its last heartbeat's when it cannot be asked. ``/metrics`` has the
-gateway's request latencies (``route`` is a class: create, listing, sandbox-control,
-sandbox-traffic, nodes, health, other) and ``aenv_gateway_upstream_seconds{node,
-outcome}``, the time nodes took to answer what the gateway sent them.
+gateway's request latencies, to the response head (``route`` is a class: create, listing,
+sandbox-control, sandbox-traffic (the front's), nodes, health, other) and
+``aenv_gateway_upstream_seconds{node, outcome}``, the time nodes took to answer what the
+gateway sent them.
 """
 
 from __future__ import annotations
@@ -195,7 +200,10 @@ class Gateway:
                 await self._websocket(scope, receive, send, target)
                 return
             if target is not None:
-                response = await self._traffic(scope, receive, headers, target)
+                # A sandbox's traffic is the front's (``front``): the app behind it sees
+                # none, and alone (in process) it relays none.
+                scope["aenv.route"] = "sandbox-traffic"
+                response = _error(421, "a sandbox's traffic is relayed by the gateway's front")
             else:
                 response = await self._http(Request(scope, receive))
         except NodeUnavailable as exc:
@@ -255,37 +263,6 @@ class Gateway:
         return nodes[0]
 
     # -- HTTP ----------------------------------------------------------------------------
-    async def _traffic(
-        self, scope: Scope, receive: Receive, headers: Headers, target: ProxyTarget
-    ) -> ASGIApp:
-        """A sandbox's traffic, relayed to its node's proxy."""
-        scope["aenv.route"] = "sandbox-traffic"
-        node, cached = await self._routes.owner(target.sandbox_id)
-        if node is None:
-            # What a node's proxy answers for an unknown sandbox (E2B's edge too).
-            return _error(502, f"The sandbox {target.sandbox_id} was not found")
-        content = None
-        if has_body(scope["method"], headers):
-            content = Request(scope, receive).stream()
-        try:
-            upstream = await self._send_raw(scope, headers, node, content)
-            if cached and upstream.status_code == 502:
-                # What a node's proxy answers for a sandbox it does not hold: the cached
-                # route may be stale (another gateway resumed the sandbox elsewhere).
-                # Dropped either way; a request without a body goes again to the owner
-                # the scheduler names now, when that is another node (the owner's own
-                # 502, say from the app, is its answer).
-                self._routes.forget(target.sandbox_id)
-                fresh, _ = await self._routes.owner(target.sandbox_id)
-                if content is None and fresh is not None and fresh.node_id != node.node_id:
-                    await upstream.aclose()
-                    node = fresh
-                    upstream = await self._send_raw(scope, headers, node, None)
-        except NodeUnavailable as exc:
-            self._routes.forget(target.sandbox_id)
-            raise NodeUnavailable(exc.node_id, exc.reason, target.sandbox_id) from exc
-        return RelayedAnswer(upstream, node.node_id)
-
     async def _http(self, request: Request) -> ASGIApp:
         request.scope["aenv.route"] = _route_class(request)
         path = request.url.path
@@ -601,11 +578,12 @@ class Gateway:
     ) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
-        # A sandbox's WebSocket is relayed by the front (``front``), before the app.
-        message = "WebSockets go to sandboxes only"
-        if target is not None:
-            message = "a sandbox's WebSockets are relayed by aenv-gateway's front only"
-        await deny_websocket(send, Refusal(404, message))
+        if target is not None:  # the front's, as a sandbox's HTTP traffic is
+            await deny_websocket(
+                send, Refusal(421, "a sandbox's traffic is relayed by the gateway's front")
+            )
+            return
+        await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
 
 
 def _route_class(request: Request) -> str:
