@@ -358,3 +358,47 @@ async def test_a_node_that_is_not_there_is_503_and_the_api_goes_to_the_app(serve
     client.send(b"GET /health HTTP/1.1\r\nHost: 49983-inone.gw.test\r\n\r\n")
     assert (await client.answer())[0] == 502
     client.close()
+
+
+async def test_a_slow_reader_slows_the_node_and_the_connection_serves_on(served: Start) -> None:
+    """Nothing is buffered on the way: while the client reads nothing the node's writes
+    stall (within the sockets' own buffers), and once the client reads, all of it comes,
+    after which the node connection serves the next request."""
+    total = 64 * 1024 * 1024
+    chunk = b"x" * 65536
+    written: list[int] = [0]
+
+    async def big(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, node: FakeNode
+    ) -> None:
+        while await read_request(reader, node) is not None:
+            if len(node.received) > 1:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+                continue
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+            for _ in range(total // len(chunk)):
+                writer.write(chunk)
+                await writer.drain()
+                written[0] += len(chunk)
+
+    node, port = await served(big)
+    client = await Client.open(port)
+    client.send(b"GET /files HTTP/1.1\r\nHost: gw\r\n" + TRAFFIC + b"\r\n")
+    last = -1
+    for _ in range(300):  # until the node's writes stop moving
+        await asyncio.sleep(0.1)
+        if written[0] == last and written[0] > 0:
+            break
+        last = written[0]
+    assert 0 < written[0] < total // 2
+    received = 0
+    head = await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+    assert head.startswith(b"HTTP/1.1 200")
+    while received < total:
+        received += len(await asyncio.wait_for(client.reader.read(1 << 20), TIMEOUT))
+    assert received == total
+    client.send(b"GET /health HTTP/1.1\r\nHost: gw\r\n" + TRAFFIC + b"\r\n")
+    assert (await client.answer())[2] == b"ok"
+    assert node.connections == 1
+    client.close()

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 import httptools
 from starlette.datastructures import Headers
 
-from agentenv.cluster.scheduler_client import SchedulerUnavailable
+from agentenv.cluster.scheduler_client import SchedulerRefused, SchedulerUnavailable
 from agentenv.cluster.traffic import NodeUnavailable
 from agentenv.cluster.upstreams import Upstream, UpstreamConnection, UpstreamFailed, UpstreamPool
 from agentenv.proxy.forward import target_of
@@ -390,6 +390,8 @@ class ClientConnection(asyncio.Protocol):
             node, cached = await gateway.traffic_route(sandbox_id)
         except (NodeUnavailable, SchedulerUnavailable) as exc:
             return self._answer(exchange, 503, str(exc), started)
+        except SchedulerRefused as exc:
+            return self._answer(exchange, exc.status, exc.message, started)
         if node is None:
             # What a node's proxy answers for an unknown sandbox (E2B's edge too).
             return self._answer(exchange, 502, f"The sandbox {sandbox_id} was not found", started)
@@ -421,7 +423,7 @@ class ClientConnection(asyncio.Protocol):
                 gateway.forget_route(sandbox_id)
                 try:
                     fresh, _ = await gateway.traffic_route(sandbox_id)
-                except (NodeUnavailable, SchedulerUnavailable) as exc:
+                except (NodeUnavailable, SchedulerUnavailable, SchedulerRefused) as exc:
                     conn.close()
                     return self._answer(exchange, 503, str(exc), started)
                 if not exchange.has_body and fresh is not None and fresh.node_id != node.node_id:

@@ -112,8 +112,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._finish_if_complete()
 
     def release(self) -> None:
-        """The exchange is over (the connection idle, or about to be closed)."""
+        """The exchange is over (the connection idle, or about to be closed): whatever
+        it paused is let go (a slow client's pause must not outlive its answer)."""
         self.resume_writing()
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
         self._sink = self._peer = None
         self._held = None
         self.head = self.done = None
