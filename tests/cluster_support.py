@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
@@ -136,7 +137,7 @@ class ServedGateway:
         self.port = free_port()
         self.scheme = "https" if tls else "http"
         self.server = GatewayServer(gateway, "127.0.0.1", self.port, tls=tls)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()  # as aenv-gateway runs it
 
     @property
     def url(self) -> str:

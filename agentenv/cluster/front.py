@@ -42,7 +42,7 @@ import logging
 import time
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -222,8 +222,8 @@ class ClientConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
         self.front.connections.add(self)
         self._idle_from_now()
 
