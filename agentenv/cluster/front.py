@@ -443,6 +443,9 @@ class ClientConnection(asyncio.Protocol):
             gateway.observe_upstream(node.node_id, sent, "ok")
             front.observe(exchange.method, conn.status, started)
         assert conn.done is not None
+        if self._closed:  # the client left while the node answered
+            conn.close()
+            return False
         self._active = conn
         if self._write_paused and conn.transport is not None:
             conn.transport.pause_reading()

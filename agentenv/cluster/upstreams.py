@@ -107,7 +107,7 @@ class UpstreamConnection(asyncio.Protocol):
     def forward(self) -> None:
         """Pass the response on: what is held now, then each read as it comes."""
         held, self._held = self._held, None
-        if held and self._sink is not None:
+        if held and self._sink is not None and not self._sink.is_closing():
             self._sink.writelines(held)
         self._finish_if_complete()
 
@@ -137,8 +137,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.upgraded:
-            if self._sink is not None:
-                self._sink.write(data)
+            self._pass(data)
             return
         if self.done is None:
             self.close()  # an answer to nothing: the connection cannot be trusted
@@ -152,8 +151,8 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if self._held is not None:
             self._held.append(data)
-        elif self._sink is not None:
-            self._sink.write(data)
+        else:
+            self._pass(data)
         self._finish_if_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -189,6 +188,15 @@ class UpstreamConnection(asyncio.Protocol):
             return  # an upgraded connection's exchange ends when either side closes
         self._complete = True
         self.keep_alive = self._parser.should_keep_alive()
+
+    def _pass(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is None:
+            return
+        if sink.is_closing():
+            self.close()  # the client is gone: so is what it asked for
+        else:
+            sink.write(data)
 
     # -- ends --------------------------------------------------------------------------
     def _finish_if_complete(self) -> None:
