@@ -1,11 +1,14 @@
 """What the cluster's unit tests share: node reports, a settable clock, a registry over a
-store, a real redis-server, and ASGI apps served by uvicorn on a free port (over TLS when
-given a certificate); and the VM tests' local cluster (:func:`running_cluster`)."""
+store, a real redis-server, ASGI apps served by uvicorn on a free port (over TLS when
+given a certificate), gateways served as ``aenv-gateway`` serves them; and the VM tests'
+local cluster (:func:`running_cluster`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
+import ssl
 import subprocess
 import threading
 import time
@@ -15,10 +18,13 @@ from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
+from agentenv.cluster.gateway import Gateway
+from agentenv.cluster.gateway_server import GatewayServer
 from agentenv.cluster.local import LocalCluster
 from agentenv.cluster.models import NodeReport
 from agentenv.cluster.placement import LeastLoaded
@@ -121,6 +127,33 @@ class ServedApp:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class ServedGateway:
+    """A gateway served as ``aenv-gateway`` serves it (its front on a free port, its app
+    behind it), in a thread with its own loop, for the block."""
+
+    def __init__(self, gateway: Gateway, tls: ssl.SSLContext | None = None) -> None:
+        self.port = free_port()
+        self.scheme = "https" if tls else "http"
+        self.server = GatewayServer(gateway, "127.0.0.1", self.port, tls=tls)
+        self.loop = uvloop.new_event_loop()  # as aenv-gateway runs it
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServedGateway:
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 def echo_node() -> Any:

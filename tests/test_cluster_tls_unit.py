@@ -20,11 +20,12 @@ from starlette.websockets import WebSocket
 from websockets.sync.client import connect
 
 from agentenv.cluster.gateway import Gateway
+from agentenv.cluster.gateway_server import server_tls
 from agentenv.cluster.local_ca import LocalCA, make_local_ca
 from agentenv.cluster.scheduler import create_scheduler_app
 from agentenv.cluster.scheduler_client import SchedulerClient, SchedulerUnavailable
 from agentenv.cluster.tls import TlsSetupError, check_server_files, client_context
-from tests.cluster_support import KEY, Clock, ServedApp, registry, report
+from tests.cluster_support import KEY, Clock, ServedApp, ServedGateway, registry, report
 
 DOMAIN = "gw.test"
 
@@ -84,7 +85,8 @@ def test_a_tls_gateway_relays_to_tls_nodes_verified_by_its_ca(ca: LocalCA) -> No
     trust = client_context(ca.ca_cert)
     with ServedApp(tls_node(), ca.server_cert, ca.server_key) as node:
         gateway = gateway_to(node.url, ca.ca_cert)
-        with ServedApp(gateway, ca.server_cert, ca.server_key) as served:
+        tls = server_tls(str(ca.server_cert), str(ca.server_key))
+        with ServedGateway(gateway, tls) as served:
             assert served.url.startswith("https://")
             with httpx.Client(base_url=served.url, verify=trust, trust_env=False) as client:
                 by_header = client.get("/files", headers={"E2b-Sandbox-Id": "itls"})
@@ -109,7 +111,7 @@ def test_a_node_the_gateway_cannot_verify_is_unavailable(ca: LocalCA) -> None:
     with ServedApp(tls_node(), ca.server_cert, ca.server_key) as node:
         # No CA bundle: the system's trusted certificates, which do not include this CA.
         gateway = gateway_to(node.url, None)
-        with ServedApp(gateway) as served, httpx.Client(base_url=served.url) as client:
+        with ServedGateway(gateway) as served, httpx.Client(base_url=served.url) as client:
             answer = client.get("/files", headers={"E2b-Sandbox-Id": "itls"})
             assert answer.status_code == 503
             message = answer.json()["message"]

@@ -34,6 +34,7 @@ from tests.cluster_support import (
     KEY,
     Clock,
     ServedApp,
+    ServedGateway,
     echo_node,
     redis_server,
     registry,
@@ -223,7 +224,8 @@ def answer(status: int, data: Any) -> httpx.Response:
 
 
 class FakeNodes:
-    """Nodes answering the gateway: ``down`` ones refuse connections."""
+    """Nodes answering the gateway's app (the control plane: a sandbox's traffic is the
+    front's, tested in test_gateway_front_*): ``down`` ones refuse connections."""
 
     def __init__(self) -> None:
         self.down: set[str] = set()
@@ -233,8 +235,6 @@ class FakeNodes:
         # Nodes that run another mode than template "saved-elsewhere" and sandbox
         # "ipsaved-elsewhere" were saved under: they refuse both as a node does.
         self.other_mode: set[str] = set()
-        # (node, sandbox): the node does not hold the sandbox, and its proxy says so.
-        self.gone: set[tuple[str, str]] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
@@ -269,17 +269,6 @@ class FakeNodes:
             return answer(200, {**health, "templates": {"base": "ready"}, "sandboxes": 0})
         if request.method == "GET" and path == "/v2/sandboxes":
             return answer(200, self.sandboxes[node])
-        if path == "/set-cookies":
-            cookies = [("set-cookie", "a=1; Path=/"), ("set-cookie", "b=2; Path=/")]
-            return httpx.Response(
-                200, headers=[*cookies, ("content-length", "2")], stream=_Body(b"ok")
-            )
-        sandbox = request.headers.get("e2b-sandbox-id", "")
-        if (node, sandbox) in self.gone:
-            return answer(502, {"code": 502, "message": f"The sandbox {sandbox} was not found"})
-        # Sandbox traffic reaches the node as it came: routing headers and Host kept.
-        if request.headers.get("e2b-sandbox-id") or request.headers["host"].endswith(".gw.test"):
-            return answer(200, b"from " + node.encode())
         return answer(200, {"node": node})
 
 
@@ -302,17 +291,13 @@ async def gateway() -> AsyncIterator[tuple[httpx.AsyncClient, FakeNodes, NodeReg
     await gw.aclose()
 
 
-async def test_gateway_places_binds_and_routes_to_the_owner(
+async def test_gateway_places_binds_and_routes_control_calls_to_the_owner(
     gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
 ) -> None:
     client, _nodes, _reg = gateway
     first = (await client.post("/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
     second = (await client.post("/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
     assert {first[1], second[1]} == {"a", "b"}  # spread: ids are i{node}{n}
-    answer = await client.get("/files", headers={"E2b-Sandbox-Id": second})
-    assert answer.text == f"from {second[1]}"
-    by_host = await client.get("/", headers={"Host": f"8080-{first}.gw.test"})
-    assert by_host.text == f"from {first[1]}"
     assert (await client.get(f"/sandboxes/{first}")).json() == {"node": first[1]}
     unknown = await client.get("/sandboxes/inope")
     assert unknown.status_code == 404
@@ -343,12 +328,9 @@ async def test_a_sandbox_on_a_dead_node_is_503_node_unavailable(
     client, nodes, reg = gateway
     sandbox_id = (await client.post("/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
     nodes.down.add(sandbox_id[1])
-    for answer in (
-        await client.get(f"/sandboxes/{sandbox_id}"),
-        await client.get("/health", headers={"E2b-Sandbox-Id": sandbox_id}),
-    ):
-        assert answer.status_code == 503
-        assert "node unavailable" in json.loads(answer.content)["message"]
+    answer = await client.get(f"/sandboxes/{sandbox_id}")
+    assert answer.status_code == 503
+    assert "node unavailable" in json.loads(answer.content)["message"]
     # Once the scheduler marks it down the answer is the same, without trying the node.
     reg.clock.now += 60  # type: ignore[attr-defined]
     await reg.newly_down()
@@ -408,7 +390,6 @@ async def test_an_unreachable_scheduler_is_a_503() -> None:
     ) as client:
         for answer in (
             await client.get("/sandboxes/iabc"),
-            await client.get("/", headers={"E2b-Sandbox-Id": "iabc"}),
             await client.post("/sandboxes", json={"templateID": "base"}),
         ):
             assert answer.status_code == 503
@@ -451,7 +432,7 @@ def test_websockets_pass_through_the_gateway_both_ways() -> None:
             await reg.bind("iws", "a")
 
         asyncio.run(register())
-        with ServedApp(gw) as served:
+        with ServedGateway(gw) as served:
             url = f"ws://127.0.0.1:{served.port}/ws"
             with connect(url, additional_headers={"E2b-Sandbox-Id": "iws"}) as ws:
                 assert ws.recv(timeout=10) == f"127.0.0.1:{served.port} iws"
@@ -540,64 +521,6 @@ async def test_gateway_health_is_a_node_health_for_the_cluster(
     assert anonymous == {"status": "degraded", "version": __version__}
 
 
-async def test_traffic_routes_are_cached_until_a_control_call_or_a_failure(
-    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
-) -> None:
-    client, nodes, reg = gateway
-    await reg.bind("i1", "a")
-    traffic = {"E2b-Sandbox-Id": "i1"}
-    assert (await client.get("/files", headers=traffic)).text == "from a"
-    await reg.bind("i1", "b")  # moved by someone else (another gateway, a heartbeat)
-    assert (await client.get("/files", headers=traffic)).text == "from a"  # cached
-    assert (await client.get("/sandboxes/i1")).json() == {"node": "b"}  # control: fresh
-    assert (await client.get("/files", headers=traffic)).text == "from b"
-    nodes.down.add("b")
-    assert (await client.get("/files", headers=traffic)).status_code == 503
-    await reg.bind("i1", "a")
-    assert (await client.get("/files", headers=traffic)).text == "from a"  # failure dropped it
-
-
-async def test_a_stale_route_goes_on_to_the_sandboxs_new_node(
-    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
-) -> None:
-    """Another gateway resumed the sandbox on another node within this one's route
-    cache: the old node's proxy answers 502, and the request goes to the new owner."""
-    client, nodes, reg = gateway
-    traffic = {"E2b-Sandbox-Id": "i1"}
-    await reg.bind("i1", "a")
-    assert (await client.get("/files", headers=traffic)).text == "from a"
-    await reg.bind("i1", "b")
-    nodes.gone.add(("a", "i1"))
-    assert (await client.get("/files", headers=traffic)).text == "from b"
-    # A body cannot be sent twice: the stale answer stands, but the route is dropped.
-    await reg.bind("i1", "a")
-    nodes.gone = {("b", "i1")}
-    stale = await client.post("/files", headers=traffic, content=b"x")
-    assert stale.status_code == 502
-    assert (await client.post("/files", headers=traffic, content=b"x")).text == "from a"
-    # The owner's own 502 is its answer: nothing is sent twice.
-    nodes.gone = {("a", "i1")}
-    sent = len(nodes.requests)
-    assert (await client.get("/files", headers=traffic)).status_code == 502
-    assert nodes.requests[sent:] == [("a", "GET /files")]
-
-
-async def test_traffic_answers_keep_their_head_and_leave_no_cookies_behind(
-    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
-) -> None:
-    client, nodes, reg = gateway
-    await reg.bind("i1", "a")
-    await reg.bind("i2", "a")
-    answer = await client.get("/set-cookies", headers={"E2b-Sandbox-Id": "i1"})
-    assert answer.headers.get_list("set-cookie") == ["a=1; Path=/", "b=2; Path=/"]
-    assert answer.headers["content-length"] == "2" and answer.text == "ok"
-    assert "transfer-encoding" not in answer.headers
-    # The gateway keeps no cookies: another sandbox's traffic (on the same node) gets none.
-    client.cookies.clear()
-    assert (await client.get("/files", headers={"E2b-Sandbox-Id": "i2"})).text == "from a"
-    assert "cookie" not in nodes.headers[-1]
-
-
 def _scheduler_binding(sandbox_id: str, node_id: str, node_url: str) -> SchedulerClient:
     """A client of an in-process scheduler that knows one node, at ``node_url`` (a real
     server), and binds ``sandbox_id`` to it."""
@@ -632,7 +555,7 @@ def test_a_client_leaving_a_stream_ends_it_on_the_node() -> None:
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", endless)])) as node:
         scheduler = _scheduler_binding("istream", "a", node.url)
-        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+        with ServedGateway(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 traffic = {"E2b-Sandbox-Id": "istream"}
                 with client.stream("GET", "/process", headers=traffic) as answer:
@@ -654,7 +577,7 @@ def test_answers_through_the_gateway_carry_one_date() -> None:
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", dated)])) as node:
         scheduler = _scheduler_binding("idated", "a", node.url)
-        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+        with ServedGateway(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 for answer in (
                     client.get("/health", headers={"E2b-Sandbox-Id": "idated"}),
@@ -683,7 +606,7 @@ def test_a_request_body_keeps_its_framing_through_the_gateway() -> None:
 
     with ServedApp(Starlette(routes=[Route("/{path:path}", record, methods=["POST"])])) as node:
         scheduler = _scheduler_binding("ibody", "a", node.url)
-        with ServedApp(Gateway(scheduler, KEY, None)) as served:
+        with ServedGateway(Gateway(scheduler, KEY, None)) as served:
             with httpx.Client(base_url=served.url, trust_env=False, timeout=60) as client:
                 traffic = {"E2b-Sandbox-Id": "ibody"}
                 sized = client.post("/process.Process/Start", content=b"x" * 54, headers=traffic)

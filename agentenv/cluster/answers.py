@@ -1,13 +1,17 @@
 """What the gateway reads itself: a client's control-plane body (bounded, so it can be
-sent to a node more than once) and the sandbox ids in nodes' answers (to bind them)."""
+sent to a node more than once), the sandbox ids in nodes' answers (to bind them) and
+their refusals of another mode; and a node's answer it read, replayed to the client."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 from starlette.requests import Request
+from starlette.responses import Response
 
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
+from agentenv.proxy.relay import response_headers
 
 
 async def read_bounded(request: Request) -> bytes | None:
@@ -39,3 +43,16 @@ def fork_children(data: bytes) -> list[str]:
         if isinstance(sandbox, dict) and isinstance(sandbox.get("sandboxID"), str):
             children.append(sandbox["sandboxID"])
     return children
+
+
+def mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
+    """Whether a node refused because what was asked for was saved under another VMM or
+    accelerator than it runs (a node of that mode would take it)."""
+    return upstream.status_code == 409 and field_of(data, "error_code") == "mode_mismatch"
+
+
+def replay(upstream: httpx.Response, data: bytes) -> Response:
+    """A node's answer the gateway read whole, for the client. The node's Date is left
+    out: uvicorn adds the gateway's."""
+    headers = {k: v for k, v in response_headers(upstream).items() if k.lower() != "date"}
+    return Response(data, status_code=upstream.status_code, headers=headers)

@@ -13,10 +13,14 @@ scheduler, so several gateways can run against one scheduler.
   healthy node (the same one while it is up, so a template build's polls find it).
 - Sandbox traffic (``E2b-Sandbox-Id`` headers, ``{port}-{id}.{domain}`` hosts) is relayed
   to the owning node's proxy as it came (headers and Host kept), streaming both ways,
-  WebSockets included (``traffic`` does it); the node's proxy checks tokens and reaches
-  the guest. A signed
-  ``/files`` URL naming no sandbox goes to the node whose sandbox signed it
-  (``signed_files``).
+  WebSockets included, by the gateway's front (``front``), byte for byte over pooled
+  keep-alive connections (``upstreams``), before this app: the front asks it only where
+  a sandbox is (:meth:`Gateway.traffic_route`, the route cache) and times what it relays
+  in its metrics. The node's proxy checks tokens and reaches the guest. This app is
+  served behind the front (``gateway_server``) and answers everything else; served
+  alone, it refuses a sandbox's traffic (421). A signed ``/files`` URL naming no sandbox
+  goes to the node whose sandbox signed it (``signed_files``), relayed by this app
+  (``traffic``).
 - A sandbox whose node is down (or does not answer) is a 503 "node unavailable", not a
   404; a scheduler that cannot be reached is a 503 too.
 - Nodes serving TLS (reporting ``https://`` URLs) are reached over HTTPS and WebSockets
@@ -26,9 +30,10 @@ The gateway checks the API key only on what it answers itself (``/nodes``, ``/me
 nodes check everything they are sent. ``GET /nodes`` lists every node the scheduler
 knows as E2B's ``Node`` (``unhealthy`` while down); ``GET /nodes/{id}`` is that node's
 own answer, or its last heartbeat's when it cannot be asked. ``/metrics`` has the
-gateway's request latencies (``route`` is a class: create, listing, sandbox-control,
-sandbox-traffic, nodes, health, other) and ``aenv_gateway_upstream_seconds{node,
-outcome}``, the time nodes took to answer what the gateway sent them.
+gateway's request latencies, to the response head (``route`` is a class: create, listing,
+sandbox-control, sandbox-traffic (the front's), nodes, health, other) and
+``aenv_gateway_upstream_seconds{node, outcome}``, the time nodes took to answer what the
+gateway sent them.
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv import __version__
 from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
-from agentenv.cluster.answers import field_of, fork_children, read_bounded
+from agentenv.cluster.answers import (
+    field_of,
+    fork_children,
+    mode_mismatch,
+    read_bounded,
+    replay,
+)
 from agentenv.cluster.listing import (
     NEXT_TOKEN_HEADER,
     e2b_node,
@@ -75,11 +86,16 @@ from agentenv.cluster.traffic import (
     NodeUnavailable,
     RelayedAnswer,
     node_headers,
-    relay_websocket,
     send_to_node,
 )
 from agentenv.limits import MAX_REQUEST_BODY_BYTES
-from agentenv.observability import LATENCY_BUCKETS, RequestMetrics, key_matches, presented_key
+from agentenv.observability import (
+    LATENCY_BUCKETS,
+    RequestMetrics,
+    key_matches,
+    presented_key,
+    request_histogram,
+)
 from agentenv.proxy.forward import ProxyTarget, target_of
 from agentenv.proxy.relay import (
     Refusal,
@@ -87,7 +103,6 @@ from agentenv.proxy.relay import (
     has_body,
     oversized_head,
     refuse,
-    response_headers,
 )
 from agentenv.proxy.signed import is_files_request
 
@@ -139,12 +154,15 @@ class Gateway:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # Requests timed to their response head, by the app and by the front alike.
+        self.request_seconds = request_histogram(self.registry)
         self._timed = RequestMetrics(
             self._serve,
             component="gateway",
             registry=self.registry,
             api_key=api_key,
             route_of=lambda scope: scope.get("aenv.route"),
+            histogram=self.request_seconds,
         )
         # What https:// nodes are verified with, for HTTP and WebSockets alike.
         self.node_tls: ssl.SSLContext = client_context(ca_file)
@@ -182,7 +200,10 @@ class Gateway:
                 await self._websocket(scope, receive, send, target)
                 return
             if target is not None:
-                response = await self._traffic(scope, receive, headers, target)
+                # A sandbox's traffic is the front's (``front``): the app behind it sees
+                # none, and alone (in process) it relays none.
+                scope["aenv.route"] = "sandbox-traffic"
+                response = _error(421, "a sandbox's traffic is relayed by the gateway's front")
             else:
                 response = await self._http(Request(scope, receive))
         except NodeUnavailable as exc:
@@ -202,6 +223,21 @@ class Gateway:
                 await self.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    # -- what the front asks ------------------------------------------------------------
+    async def traffic_route(self, sandbox_id: str) -> tuple[NodeInfo | None, bool]:
+        """The up node holding ``sandbox_id`` (None: bound to none), and whether it came
+        from the route cache. Raises :class:`NodeUnavailable` (its node is down) or
+        :class:`SchedulerUnavailable`."""
+        return await self._routes.owner(sandbox_id)
+
+    def forget_route(self, sandbox_id: str) -> None:
+        self._routes.forget(sandbox_id)
+
+    def observe_upstream(self, node_id: str, started: float, outcome: str) -> None:
+        """The time a node took to answer (to its response head), since ``started``."""
+        elapsed = time.perf_counter() - started
+        self.upstream_seconds.labels(node_id, outcome).observe(elapsed)
 
     # -- where things are ----------------------------------------------------------------
     async def _owner(self, sandbox_id: str) -> NodeInfo | None:
@@ -227,37 +263,6 @@ class Gateway:
         return nodes[0]
 
     # -- HTTP ----------------------------------------------------------------------------
-    async def _traffic(
-        self, scope: Scope, receive: Receive, headers: Headers, target: ProxyTarget
-    ) -> ASGIApp:
-        """A sandbox's traffic, relayed to its node's proxy."""
-        scope["aenv.route"] = "sandbox-traffic"
-        node, cached = await self._routes.owner(target.sandbox_id)
-        if node is None:
-            # What a node's proxy answers for an unknown sandbox (E2B's edge too).
-            return _error(502, f"The sandbox {target.sandbox_id} was not found")
-        content = None
-        if has_body(scope["method"], headers):
-            content = Request(scope, receive).stream()
-        try:
-            upstream = await self._send_raw(scope, headers, node, content)
-            if cached and upstream.status_code == 502:
-                # What a node's proxy answers for a sandbox it does not hold: the cached
-                # route may be stale (another gateway resumed the sandbox elsewhere).
-                # Dropped either way; a request without a body goes again to the owner
-                # the scheduler names now, when that is another node (the owner's own
-                # 502, say from the app, is its answer).
-                self._routes.forget(target.sandbox_id)
-                fresh, _ = await self._routes.owner(target.sandbox_id)
-                if content is None and fresh is not None and fresh.node_id != node.node_id:
-                    await upstream.aclose()
-                    node = fresh
-                    upstream = await self._send_raw(scope, headers, node, None)
-        except NodeUnavailable as exc:
-            self._routes.forget(target.sandbox_id)
-            raise NodeUnavailable(exc.node_id, exc.reason, target.sandbox_id) from exc
-        return RelayedAnswer(upstream, node.node_id)
-
     async def _http(self, request: Request) -> ASGIApp:
         request.scope["aenv.route"] = _route_class(request)
         path = request.url.path
@@ -321,8 +326,7 @@ class Gateway:
         return answer
 
     def _upstream(self, node: NodeInfo, started: float, outcome: str) -> None:
-        elapsed = time.perf_counter() - started
-        self.upstream_seconds.labels(node.node_id, outcome).observe(elapsed)
+        self.observe_upstream(node.node_id, started, outcome)
 
     async def _relay(
         self, request: Request, node: NodeInfo, sandbox_id: str | None = None
@@ -367,7 +371,7 @@ class Gateway:
             template = None  # not JSON: a node answers the 400 it deserves
         if not isinstance(template, str):
             upstream, data = await self._buffered(request, await self._any_node(), body)
-            return _replay(upstream, data)
+            return replay(upstream, data)
         # A node whose mode (VMM, accelerator) is not the one the template was saved
         # under refuses it (409 mode_mismatch) before starting anything: the create is
         # placed again without it, until a node takes it or none is left to ask.
@@ -381,7 +385,7 @@ class Gateway:
             except SchedulerRefused:
                 if refused is None:
                     raise
-                return _replay(*refused)  # every node that could take it is of another mode
+                return replay(*refused)  # every node that could take it is of another mode
             node = placement.node
             try:
                 upstream, data = await self._buffered(request, node, body)
@@ -393,10 +397,10 @@ class Gateway:
                 await self._record(
                     self.scheduler.bind(sandbox_id, node.node_id, placement.placement_id)
                 )
-                return _replay(upstream, data)
+                return replay(upstream, data)
             await self._record(self.scheduler.release(placement.placement_id))
-            if not _mode_mismatch(upstream, data):
-                return _replay(upstream, data)
+            if not mode_mismatch(upstream, data):
+                return replay(upstream, data)
             refused = (upstream, data)
             tried.append(node.node_id)
 
@@ -413,12 +417,12 @@ class Gateway:
             if upstream.status_code == 201:
                 for child in fork_children(data):
                     await self._record(self.scheduler.bind(child, node.node_id))
-            return _replay(upstream, data)
+            return replay(upstream, data)
         if method == "DELETE" and not rest:
             upstream, data = await self._buffered(request, node)
             if upstream.status_code in (204, 404):
                 await self._record(self.scheduler.unbind(sandbox_id))
-            return _replay(upstream, data)
+            return replay(upstream, data)
         return await self._relay(request, node, sandbox_id)
 
     async def _connect(self, request: Request, sandbox_id: str) -> Response:
@@ -435,8 +439,8 @@ class Gateway:
             owner = await self._owner(sandbox_id)
             if owner is not None:
                 upstream, data = await self._buffered(request, owner, body)
-                if not _mode_mismatch(upstream, data):
-                    return _replay(upstream, data)
+                if not mode_mismatch(upstream, data):
+                    return replay(upstream, data)
                 # Its node now runs another mode: one of the saved mode may adopt it.
                 refused, skip = (upstream, data), owner.node_id
         except NodeUnavailable as exc:
@@ -445,7 +449,7 @@ class Gateway:
         others = [n for n in await self._up_nodes() if n.node_id != skip]
         if not others:
             if refused is not None:
-                return _replay(*refused)
+                return replay(*refused)
             raise gone or NodeUnavailable("(any)", "is not there: no node is up", sandbox_id)
         # Every node reads the same repository: the first that answers decides, unless it
         # runs another mode than the sandbox was paused under.
@@ -456,19 +460,19 @@ class Gateway:
             except NodeUnavailable as exc:
                 unreachable = exc
                 continue
-            if not _mode_mismatch(upstream, data):
+            if not mode_mismatch(upstream, data):
                 break
             refused = (upstream, data)
         else:
             if refused is not None:
-                return _replay(*refused)
+                return replay(*refused)
             assert unreachable is not None
             raise gone or unreachable
         if upstream.status_code in (200, 201):
             await self._record(self.scheduler.bind(sandbox_id, adopter.node_id))
         elif upstream.status_code == 404 and gone is not None:
             raise gone  # not paused and committed: it was running on the gone node
-        return _replay(upstream, data)
+        return replay(upstream, data)
 
     async def _listing(self, request: Request) -> Response:
         every = await self.scheduler.nodes()
@@ -497,7 +501,7 @@ class Gateway:
         answers = await asyncio.gather(*(one(node) for node in nodes))
         for answer in answers:
             if answer.status_code != 200:
-                return _replay(answer, answer.content)
+                return replay(answer, answer.content)
         pages = [answer.json() for answer in answers]
         headers_out = missing if missing[_MISSING_NODES_HEADER] else {}
         if request.url.path == "/sandboxes":
@@ -530,7 +534,7 @@ class Gateway:
             try:
                 upstream, data = await self._buffered(request, node)
                 if upstream.status_code == 200:
-                    return _replay(upstream, data)
+                    return replay(upstream, data)
             except NodeUnavailable as exc:
                 log.info("GET /nodes/%s answered from its heartbeat: %s", node_id, exc)
         return JSONResponse(e2b_node_detail(node).model_dump(mode="json", by_alias=True))
@@ -574,28 +578,12 @@ class Gateway:
     ) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
-        if target is None:
-            await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
-            return
-        try:
-            node, _ = await self._routes.owner(target.sandbox_id)
-        except (NodeUnavailable, SchedulerUnavailable) as exc:
-            await deny_websocket(send, Refusal(503, str(exc)))
-            return
-        if node is None:
+        if target is not None:  # the front's, as a sandbox's HTTP traffic is
             await deny_websocket(
-                send, Refusal(502, f"The sandbox {target.sandbox_id} was not found")
+                send, Refusal(421, "a sandbox's traffic is relayed by the gateway's front")
             )
             return
-        await relay_websocket(
-            scope,
-            receive,
-            send,
-            node.node_id,
-            httpx.URL(node.report.url),
-            self.node_tls,
-            target.sandbox_id,
-        )
+        await deny_websocket(send, Refusal(404, "WebSockets go to sandboxes only"))
 
 
 def _route_class(request: Request) -> str:
@@ -609,15 +597,3 @@ def _route_class(request: Request) -> str:
     if path == "/nodes" or path.startswith("/nodes/"):
         return "nodes"
     return "health" if path == "/health" else "other"
-
-
-def _mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
-    """Whether a node refused because what was asked for was saved under another VMM or
-    accelerator than it runs (a node of that mode would take it)."""
-    return upstream.status_code == 409 and field_of(data, "error_code") == "mode_mismatch"
-
-
-def _replay(upstream: httpx.Response, data: bytes) -> Response:
-    # The node's Date is left out: uvicorn adds the gateway's.
-    headers = {k: v for k, v in response_headers(upstream).items() if k.lower() != "date"}
-    return Response(data, status_code=upstream.status_code, headers=headers)

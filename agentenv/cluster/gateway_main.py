@@ -1,6 +1,7 @@
 """``aenv-gateway``'s command line: settings from arguments and the environment, then
-:class:`~agentenv.cluster.gateway.Gateway` served by uvicorn (over TLS with a certificate
-and key: then clients set ``E2B_DOMAIN`` to the gateway's domain alone)."""
+:class:`~agentenv.cluster.gateway.Gateway` served behind its front (``gateway_server``; over
+TLS with a certificate and key: then clients set ``E2B_DOMAIN`` to the gateway's domain
+alone)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import logging
 import os
 import sys
 
-import uvicorn
+import uvloop
 
-from agentenv.api.http_protocol import JsonErrorsHttpToolsProtocol
-from agentenv.cluster.gateway import DEFAULT_LISTEN, KEEP_ALIVE_S, Gateway
+from agentenv.cluster.gateway import DEFAULT_LISTEN, Gateway
+from agentenv.cluster.gateway_server import GatewayServer, serve, server_tls
+from agentenv.cluster.node_transport import AiohttpNodeTransport
 from agentenv.cluster.scheduler_client import SchedulerClient
 from agentenv.cluster.tls import (
     TlsSetupError,
@@ -66,30 +68,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("httpx", "httpcore", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The scheduler is asked for each sandbox's node about once a second while it has
+    # traffic (the route cache's refresh): through aiohttp's pool, as nodes are, that
+    # costs the gateway a fraction of what httpcore's did (bench/cluster.py).
+    scheduler_transport = AiohttpNodeTransport(client_context(args.ca_file))
     gateway = Gateway(
-        SchedulerClient(args.scheduler, api_key, ca_file=args.ca_file),
+        SchedulerClient(
+            args.scheduler, api_key, ca_file=args.ca_file, transport=scheduler_transport
+        ),
         api_key,
         args.domain,
         route_cache_s=args.route_cache,
         ca_file=args.ca_file,
     )
     host, _, port = args.listen.rpartition(":")
-    uvicorn.run(
-        gateway,
-        host=host,
-        port=int(port),
-        log_level="warning",
-        timeout_keep_alive=KEEP_ALIVE_S,
-        h11_max_incomplete_event_size=1024 * 1024,
-        http=JsonErrorsHttpToolsProtocol,
-        loop="uvloop",
-        # A relayed answer carries the node's Server header; uvicorn would add its own.
-        # (Its Date header stays: the gateway's answers carry it, relayed ones included,
-        # whose node's Date is left out.)
-        server_header=False,
-        ssl_certfile=args.tls_cert,
-        ssl_keyfile=args.tls_key,
-    )
+    tls = server_tls(args.tls_cert, args.tls_key) if args.tls_cert else None
+    # uvloop, as the app was served before: the front's callbacks run in its C loop.
+    uvloop.run(serve(GatewayServer(gateway, host, int(port), tls=tls)))
 
 
 if __name__ == "__main__":

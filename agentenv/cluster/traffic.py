@@ -1,15 +1,16 @@
-"""The gateway's data path: one request sent on to a node as it came (raw path, query,
-headers but the connection's, body streamed), the node's answer relayed back as it
-arrives, and a WebSocket relayed to the node's proxy.
+"""What the gateway's app relays itself: one request sent on to a node as it came (raw
+path, query, headers but the connection's, body streamed), the node's answer relayed back
+as it arrives. That is the control plane's routes that go to one node (a sandbox's own
+routes, templates, snapshots), and, only when the app is served without its front (in
+process, as the routing unit tests serve it), a sandbox's HTTP traffic: ``aenv-gateway``
+relays that in its front (``front``), byte for byte, and sends the app none.
 
-Every proxied request pays for what is done here, so it is kept short (``bench/cluster.py``
-measures it): requests go straight to the connection pool (an ``httpx`` transport with
-aiohttp's pool under it, ``node_transport``), without the client layer's cookie jar,
-redirects and auth (a shared cookie jar would also hand one sandbox's cookies to requests
-for another); the node's response head is passed on as raw
-header pairs (repeated ones such as ``Set-Cookie`` kept), with its ``Content-Length`` when
-it has one, so the client's answer is not re-chunked (one write fewer, and a body the node
-breaks off ends the client's connection instead of looking complete). A request body keeps
+Requests go straight to the connection pool (an ``httpx`` transport with aiohttp's pool
+under it, ``node_transport``), without the client layer's cookie jar, redirects and auth
+(a shared cookie jar would also hand one sandbox's cookies to requests for another); the
+node's response head is passed on as raw header pairs (repeated ones such as
+``Set-Cookie`` kept), with its ``Content-Length`` when it has one, so that a body the node
+breaks off ends the client's connection instead of looking complete. A request body keeps
 its client's ``Content-Length`` the same way (see ``node_headers``).
 """
 
@@ -17,17 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import websockets
 from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
-from websockets.asyncio.client import connect as ws_connect
 
-from agentenv.proxy.relay import HOP_BY_HOP, Refusal, deny_websocket, pump_websocket
+from agentenv.proxy.relay import HOP_BY_HOP
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
@@ -148,56 +146,3 @@ async def _body(upstream: httpx.Response, node_id: str) -> AsyncIterator[bytes]:
             yield chunk
     except httpx.HTTPError as exc:
         log.warning("node %s broke off a response: %s", node_id, exc)
-
-
-async def relay_websocket(
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    node_id: str,
-    node_url: httpx.URL,
-    node_tls: ssl.SSLContext,
-    sandbox_id: str,
-) -> None:
-    """The client's WebSocket (its connect message read) relayed to the node's proxy."""
-    headers = Headers(scope=scope)
-    # The client sends the URL's host as Host: the client's Host goes in the URL (the
-    # node routes host names by it) and the connection is pointed at the node.
-    host = headers.get("host") or node_url.netloc.decode()
-    raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-    query = scope.get("query_string", b"").decode("latin-1")
-    tls = node_url.scheme == "https"
-    scheme = "wss" if tls else "ws"
-    url = f"{scheme}://{host}{raw_path.decode('latin-1')}" + (f"?{query}" if query else "")
-    forwarded = [
-        (k, v)
-        for k, v in node_headers(headers)
-        if k != "host" and not k.startswith("sec-websocket-")
-    ]
-    try:
-        upstream = await ws_connect(
-            url,
-            host=node_url.host,
-            port=node_url.port or (443 if tls else 80),
-            # The node's certificate names the node (its URL's host), not the
-            # sandbox host name the client used.
-            ssl=node_tls if tls else None,
-            server_hostname=node_url.host if tls else None,
-            proxy=None,
-            additional_headers=forwarded,
-            subprotocols=scope.get("subprotocols") or None,
-            open_timeout=10,
-            max_size=None,
-            compression=None,
-        )
-    except websockets.exceptions.InvalidStatus as exc:
-        status = exc.response.status_code
-        message = exc.response.body.decode(errors="replace") if exc.response.body else ""
-        await deny_websocket(send, Refusal(status, message or f"node answered {status}"))
-        return
-    except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-        reason = NodeUnavailable(node_id, f"refused a WebSocket ({exc})", sandbox_id)
-        await deny_websocket(send, Refusal(503, str(reason)))
-        return
-    async with upstream:
-        await pump_websocket(receive, send, upstream)
