@@ -88,7 +88,9 @@ def test_a_record_is_read_ahead_into_a_clone(tmp_path: Path) -> None:
 
     clone = _uncached_file(tmp_path / "next.raw", source.read_bytes())
     assert not _resident_pages(clone)
-    assert sets.prefetch(source, clone) == recorded
+    extents = sets.extents(key)
+    assert extents is not None
+    assert read_ahead(clone, extents) == recorded
     # The reads run in the background once asked for.
     deadline = time.monotonic() + 30
     while not {10, 11, 12, 150} <= _resident_pages(clone) and time.monotonic() < deadline:
@@ -104,10 +106,10 @@ def test_a_changed_file_finds_no_record(tmp_path: Path) -> None:
     assert key is not None
     sets.record(key, source)
     os.utime(source, ns=(0, 1))
-    assert sets.key(source) != key
-    assert sets.prefetch(source, source) == 0
+    changed = sets.key(source)
+    assert changed is not None and changed != key
+    assert sets.extents(changed) is None
     assert sets.key(tmp_path / "gone") is None
-    assert sets.prefetch(tmp_path / "gone", source) == 0
 
 
 def test_an_unreadable_record_is_dropped(tmp_path: Path) -> None:
@@ -118,7 +120,7 @@ def test_an_unreadable_record_is_dropped(tmp_path: Path) -> None:
     assert key is not None
     sets.directory.mkdir()
     (sets.directory / key).write_text("{not json")
-    assert sets.prefetch(source, source) == 0
+    assert sets.extents(key) is None
     assert not sets.has(key)
 
 

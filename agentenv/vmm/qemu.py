@@ -310,15 +310,16 @@ class QemuDriver(VMMDriver):
             )
         key: str | None = None
         if self.working_sets is not None and snapshot.memory_file is not None:
+            # Looked up before the machine can change its file; the reads are asked for
+            # while QEMU starts, and nothing waits for them (working_set.py).
+            source_key = self.working_sets.key(snapshot.memory_file)
+            extents = self.working_sets.extents(source_key) if source_key else None
+            if extents:
+                _read_ahead_in_background(spec.memory_file, extents)
             # A machine that maps its source shared (a resumed sandbox's own RAM file)
             # changes that file as it runs: what it touches describes no snapshot.
             if not (spec.memory_shared and spec.memory_file == snapshot.memory_file):
-                key = self.working_sets.key(snapshot.memory_file)
-            # Looked up before the machine can change its file; the reads are asked for
-            # while QEMU starts, and nothing waits for them (working_set.py).
-            extents = self.working_sets.extents(snapshot.memory_file)
-            if extents:
-                _read_ahead_in_background(spec.memory_file, extents)
+                key = source_key
         launch = await self._launch(spec, workdir, incoming=True, machine=machine, balloon=balloon)
         process, qmp = launch.process, launch.qmp
         timeout = self.command_timeout

@@ -11,7 +11,8 @@ So the pages of its RAM file that the first machine restored from a snapshot has
 page cache a few seconds after it started (its working set) are recorded once
 (:meth:`WorkingSets.record`), and every later restore from that snapshot asks the kernel
 to read them (``posix_fadvise(WILLNEED)``: asynchronous, in large requests, single
-pages in the cache) while QEMU starts (:meth:`WorkingSets.prefetch`).
+pages in the cache) while QEMU starts (the driver, with :meth:`WorkingSets.extents` and
+:func:`read_ahead`).
 
 Records are small files under one directory of the node, named by the snapshot RAM
 file's identity (device, inode, size, modification time): snapshot files are never
@@ -125,27 +126,21 @@ class WorkingSets:
         # looks its source's up on the event loop).
         self._parsed: dict[str, Extents] = {}
 
-    def _record_path(self, source: Path) -> Path | None:
+    def key(self, source: Path) -> str | None:
+        """The name ``source``'s record has (or would have) now; None if it is gone."""
         try:
             st = source.stat()
         except OSError:
             return None
-        return self.directory / f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+        return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
 
-    def key(self, source: Path) -> str | None:
-        """The name ``source``'s record has (or would have) now; None if it is gone."""
-        path = self._record_path(source)
-        return path.name if path is not None else None
-
-    def extents(self, source: Path) -> Extents | None:
-        """The pages recorded for ``source`` as it is now; None without a record (an
+    def extents(self, key: str) -> Extents | None:
+        """The pages recorded as ``key``'s working set; None without a record (an
         unreadable one is dropped)."""
-        record = self._record_path(source)
-        if record is None:
-            return None
-        parsed = self._parsed.get(record.name)
+        parsed = self._parsed.get(key)
         if parsed is not None:
             return parsed
+        record = self.directory / key
         try:
             text = record.read_text()
             parsed = [(int(a), int(b)) for a, b in json.loads(text)["extents"]]
@@ -158,14 +153,8 @@ class WorkingSets:
             return None
         if len(self._parsed) >= PARSED_KEPT:
             self._parsed.pop(next(iter(self._parsed)))
-        self._parsed[record.name] = parsed
+        self._parsed[key] = parsed
         return parsed
-
-    def prefetch(self, source: Path, ram_file: Path) -> int:
-        """Read ahead in ``ram_file`` (a clone of ``source``, or ``source`` itself) the
-        pages recorded for ``source``; returns the bytes asked for, 0 without a record."""
-        extents = self.extents(source)
-        return read_ahead(ram_file, extents) if extents else 0
 
     def has(self, key: str) -> bool:
         return (self.directory / key).exists()
