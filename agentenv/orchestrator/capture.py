@@ -285,10 +285,7 @@ class Capture:
         if own_memory_image is not None:
             # What the machine holds in memory is what the fork children and the
             # snapshot's sandboxes will touch first: recorded for them to read ahead.
-            try:
-                await self.machines.driver.record_working_set(vm, own_memory_image)
-            except OSError as exc:
-                log.warning("snapshot %s: recording its working set failed: %s", snapshot_id, exc)
+            await self.machines.record_working_set(rec.sandbox_id, vm, own_memory_image)
         # Counted from the images themselves: a flatten in progress may not have
         # rewritten its manifest yet.
         chain = [p for p in backing_chain(disk) if p.suffix == ".qcow2"]

@@ -125,12 +125,16 @@ class Machines:
         if vm is not None and vm is started and vm.state is VMRunState.RUNNING:
             await self.record_working_set(sandbox_id, vm)
 
-    async def record_working_set(self, sandbox_id: str, vm: VirtualMachine) -> None:
+    async def record_working_set(
+        self, sandbox_id: str, vm: VirtualMachine, snapshot_memory: Path | None = None
+    ) -> None:
         """Record ``vm``'s source's working set now, if it has none yet: a sandbox
         killed or paused within seconds of its start (short rollouts) would otherwise
-        never leave one."""
+        never leave one. With ``snapshot_memory`` (a RAM image just captured from
+        ``vm``), what ``vm`` holds becomes that image's working set instead. A failure
+        is logged: it costs later restores speed only."""
         try:
-            recorded = await self.driver.record_working_set(vm)
+            recorded = await self.driver.record_working_set(vm, snapshot_memory)
         except OSError as exc:
             log.warning("sandbox %s: recording its working set failed: %s", sandbox_id, exc)
             return
