@@ -24,16 +24,9 @@ from agentenv.cluster.scheduler_client import (
 )
 from agentenv.config import Config
 from agentenv.orchestrator.orchestrator import Orchestrator
+from agentenv.orchestrator.resources import host_ram_mib
 
 log = logging.getLogger("agentenv.cluster.heartbeat")
-
-
-def host_memory_mib() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
 def node_report(
@@ -47,7 +40,7 @@ def node_report(
         url=config.node_url or config.url,
         version=__version__,
         cpuCount=os.cpu_count() or 1,
-        memoryMib=host_memory_mib(),
+        memoryMib=host_ram_mib(),
         allocatedVcpus=status.allocated_vcpus,
         allocatedMemoryMib=status.allocated_memory_mib,
         pausedVcpus=sum(rec.vcpus for rec in paused),

@@ -80,11 +80,22 @@ class Slots:
 HOLDS_RAM = frozenset(set(SandboxState) - {SandboxState.PAUSED})
 
 
-def host_ram_mib() -> int:
+def _meminfo_kib() -> dict[str, int]:
+    """/proc/meminfo's figures, in KiB as it gives them."""
+    info: dict[str, int] = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) // 1024
-    raise RuntimeError("/proc/meminfo has no MemTotal")
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            info[key] = int(fields[0])
+    return info
+
+
+def host_ram_mib() -> int:
+    total = _meminfo_kib().get("MemTotal")
+    if total is None:
+        raise RuntimeError("/proc/meminfo has no MemTotal")
+    return total // 1024
 
 
 def host_headroom_mib() -> int:
@@ -93,11 +104,7 @@ def host_headroom_mib() -> int:
     a guest RAM file the VMM maps is that guest's memory: reclaimed, it is read back at
     the guest's next touch (a host short of memory thrashes while ``MemAvailable`` still
     shows gigabytes; bench/density.py)."""
-    info: dict[str, int] = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("MemAvailable", "Mapped"):
-            info[key] = int(rest.split()[0])
+    info = _meminfo_kib()
     return (info["MemAvailable"] - info.get("Mapped", 0)) // 1024
 
 
