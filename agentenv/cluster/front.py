@@ -52,7 +52,7 @@ from agentenv.cluster.scheduler_client import SchedulerRefused, SchedulerUnavail
 from agentenv.cluster.traffic import NodeUnavailable
 from agentenv.cluster.upstreams import Upstream, UpstreamConnection, UpstreamFailed, UpstreamPool
 from agentenv.proxy.forward import target_of
-from agentenv.proxy.relay import MAX_HEADER_BYTES
+from agentenv.proxy.relay import CONNECTION_HEADERS, MAX_HEADER_BYTES
 
 if TYPE_CHECKING:
     from agentenv.cluster.gateway import Gateway
@@ -60,21 +60,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
-#: Request header names the front does not send on (lower-cased): the connection's own.
-#: For an upgrade, Connection and Upgrade go on (the node's proxy answers the upgrade).
-_CONNECTION_HEADERS = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"upgrade",
-        b"expect",
-    }
-)
+#: Request header names the front does not send on (lower-cased): the connection's own,
+#: and Expect (the front answers 100 Continue itself). For an upgrade, Connection and
+#: Upgrade go on (the node's proxy answers the upgrade).
+_CONNECTION_HEADERS = frozenset(name.encode() for name in CONNECTION_HEADERS | {"expect"})
 _UPGRADE_HEADERS = frozenset({b"connection", b"upgrade"})
 #: A request head's bytes read before it is refused whatever its headers add up to
 #: (bounds the memory a client can make the front hold, as the app's protocol does).

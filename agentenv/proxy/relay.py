@@ -20,9 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 
-# Connection-scoped headers (RFC 9110 §7.6.1) are never forwarded, nor are the ones the
-# HTTP client recomputes.
-HOP_BY_HOP = frozenset(
+# Connection-scoped headers (RFC 9110 §7.6.1): never forwarded.
+CONNECTION_HEADERS = frozenset(
     {
         "connection",
         "keep-alive",
@@ -31,12 +30,12 @@ HOP_BY_HOP = frozenset(
         "proxy-connection",
         "te",
         "trailer",
-        "transfer-encoding",
         "upgrade",
-        "host",
-        "content-length",
     }
 )
+# Not forwarded by a relay through an HTTP client: the connection's own, and the ones
+# the client recomputes.
+HOP_BY_HOP = CONNECTION_HEADERS | {"transfer-encoding", "host", "content-length"}
 # The same bound h11 (and so envd) applies to a request head.
 MAX_HEADER_BYTES = 16 * 1024
 
