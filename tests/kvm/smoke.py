@@ -20,9 +20,10 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,41 @@ REQUEST_TIMEOUT = 300.0
 POLL_SECONDS = 3.0
 
 
+# Where the host's kernel keeps its trace events, and KVM's exit code for a guest that
+# shut down (a triple fault): SVM's SHUTDOWN exit, VMX's "triple fault" basic reason.
+TRACEFS = Path("/sys/kernel/tracing")
+SHUTDOWN_EXIT = {"svm": 127, "vmx": 2}
+
+
+@contextlib.contextmanager
+def guest_shutdowns(found: list[str]) -> Iterator[None]:
+    """Record, into ``found``, every nested guest's shutdown exit (its vCPU, RIP and
+    exit info) while the block runs. A nested guest once went away with its QEMU exiting
+    0 and nothing logged (a reset, see README, KVM hosts); KVM sees a triple fault as
+    this exit, so the next one says where the guest was. Best effort: no tracefs, no
+    record."""
+    event = TRACEFS / "events/kvm/kvm_exit"
+    flags = Path("/proc/cpuinfo").read_text().split()
+    vendor = "svm" if "svm" in flags else "vmx"
+    try:
+        if not event.is_dir():
+            subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS)], check=False)
+        (TRACEFS / "trace").write_text("")
+        (event / "filter").write_text(f"exit_reason == {SHUTDOWN_EXIT[vendor]}\n")
+        (event / "enable").write_text("1\n")
+    except OSError as exc:
+        found.append(f"(no shutdown trace: {exc})")
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            (event / "enable").write_text("0\n")
+            lines = (TRACEFS / "trace").read_text(errors="replace").splitlines()
+            found.extend(line for line in lines if line and not line.startswith("#"))
+
+
 def start_server(server: ServerProcess, limit: float) -> None:
     """Start ``server`` and wait until its base template is ready, polling its health
     every few seconds (``ServerProcess.start`` polls several times a second, which here
@@ -86,21 +122,10 @@ def smoke(mode: str, data_dir: Path, core_steps: list[str]) -> dict[str, Any]:
     load_guest_image(default_cache_dir())
     home = data_dir / mode / "node"
     server = ServerProcess(home=home, extra_env={**SERVER_ENV, **MODES[mode]})
-    result: dict[str, Any] = {"mode": mode, "steps": steps}
+    result: dict[str, Any] = {"mode": mode, "steps": steps, "guest_shutdowns": []}
     try:
-        step("server start and base template", lambda: start_server(server, TEMPLATE_WAIT))
-        opts = check(server, mode, step, result)
-        if core_steps:
-            core = Core(
-                srv=server,
-                mode=mode,
-                opts=opts,
-                restart=lambda: start_server(server, TEMPLATE_WAIT),
-                vmm_processes=vmm_processes,
-            )
-            result["failed"] = run_core(core, core_steps, step)
-            result["retried"] = core.retried
-            no_sandbox_left(server, "the core steps")
+        with guest_shutdowns(result["guest_shutdowns"]):
+            run_steps(mode, server, core_steps, step, result)
     finally:
         with contextlib.suppress(Exception):
             with server.client() as api:
@@ -108,7 +133,31 @@ def smoke(mode: str, data_dir: Path, core_steps: list[str]) -> dict[str, Any]:
                     api.delete(f"/sandboxes/{item['sandboxID']}")
         server.stop()
         cleanup_host(server.home)
+    result["vmm_exits"] = unexpected_exits(server.log_path)
     return result
+
+
+def run_steps(
+    mode: str,
+    server: ServerProcess,
+    core_steps: list[str],
+    step: Callable[[str, Callable[[], Any]], Any],
+    result: dict[str, Any],
+) -> None:
+    """The smoke's steps, then the core's, against ``server``."""
+    step("server start and base template", lambda: start_server(server, TEMPLATE_WAIT))
+    opts = check(server, mode, step, result)
+    if core_steps:
+        core = Core(
+            srv=server,
+            mode=mode,
+            opts=opts,
+            restart=lambda: start_server(server, TEMPLATE_WAIT),
+            vmm_processes=vmm_processes,
+        )
+        result["failed"] = run_core(core, core_steps, step)
+        result["retried"] = core.retried
+        no_sandbox_left(server, "the core steps")
 
 
 def check(
@@ -147,6 +196,15 @@ def check(
     step("kill", sbx.kill)
     no_sandbox_left(srv, "kill")
     return opts
+
+
+def unexpected_exits(log: Path) -> list[str]:
+    """The server log's lines about VMMs that exited on their own (with QEMU's stated
+    reason: ``guest-reset``, ...), which a lost sandbox leaves."""
+    if not log.is_file():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    return [line[:400] for line in lines if "not by this server" in line]
 
 
 def no_sandbox_left(srv: ServerProcess, after: str) -> None:
