@@ -270,6 +270,10 @@ class Config(BaseModel):
     # are guest RAM). The overcommit ratio assumes what idle sandboxes use; this holds
     # when they use more. 0: no check.
     memory_reserve_mib: int = Field(default=1024, ge=0)
+    # Percent of the last 10 s in which the host stalled on memory (its pressure stall
+    # information, ``some avg10``) at which a create, fork or resume is refused (503):
+    # the host is already reclaiming what its guests use. 0: no check.
+    memory_pressure_limit: float = Field(default=10.0, ge=0, le=100)
     # How much of a VM's console output is kept (the most recent), K/M/G suffixes.
     console_log_size: str = "1M"
 

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from agentenv.orchestrator.errors import CapacityExhausted
-from agentenv.orchestrator.resources import MemoryBudget, host_headroom_mib, host_ram_mib
+from agentenv.orchestrator.resources import (
+    MemoryBudget,
+    host_headroom_mib,
+    host_memory_pressure_pct,
+    host_ram_mib,
+)
 from agentenv.orchestrator.store import Store
 from tests.fakes import FAKE_TEMPLATE, start_node
 
@@ -45,6 +50,32 @@ def test_starts_are_refused_while_the_host_is_below_its_reserve() -> None:
     # 0 turns the check off.
     MemoryBudget(store, overcommit=0, host_mib=1000, headroom_mib=lambda: 0).admit(512, "fork")
     store.close()
+
+
+def test_starts_are_refused_while_the_host_stalls_on_memory() -> None:
+    store = Store(None)
+    store.open()
+    stalled: list[float | None] = [0.4]
+    budget = MemoryBudget(
+        store, overcommit=0, host_mib=1000, pressure_limit_pct=10, pressure_pct=lambda: stalled[0]
+    )
+    budget.admit(512, "create")
+    stalled[0] = 12.5
+    with pytest.raises(CapacityExhausted, match=r"stalled on memory 12.5 % .* limit of 10 %"):
+        budget.admit(512, "fork")
+    stalled[0] = None  # a kernel without pressure stall information: no check
+    budget.admit(512, "resume")
+    # 0 turns the check off.
+    MemoryBudget(store, overcommit=0, host_mib=1000, pressure_pct=lambda: 99.0).admit(512, "fork")
+    store.close()
+
+
+def test_the_host_memory_pressure_is_read() -> None:
+    stalled = host_memory_pressure_pct()
+    if not Path("/proc/pressure/memory").exists():
+        assert stalled is None
+        return
+    assert stalled is not None and 0 <= stalled <= 100
 
 
 def test_the_host_headroom_leaves_out_mapped_pages() -> None:

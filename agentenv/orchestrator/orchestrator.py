@@ -219,7 +219,10 @@ class Orchestrator:
             self.volumes,
             boot_timeout=config.template_boot_timeout,
             memory=MemoryBudget(
-                self.store, config.memory_overcommit, reserve_mib=config.memory_reserve_mib
+                self.store,
+                config.memory_overcommit,
+                reserve_mib=config.memory_reserve_mib,
+                pressure_limit_pct=config.memory_pressure_limit,
             ),
             starts=StartGate(config.start_places, START_WAIT_S),
             mode=self.mode,
