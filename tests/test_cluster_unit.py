@@ -235,6 +235,8 @@ class FakeNodes:
         # Nodes that run another mode than template "saved-elsewhere" and sandbox
         # "ipsaved-elsewhere" were saved under: they refuse both as a node does.
         self.other_mode: set[str] = set()
+        # Nodes whose host cannot hold another sandbox: they refuse creates as a node does.
+        self.full: set[str] = set()
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         node = request.url.host.split(".")[0]
@@ -251,6 +253,15 @@ class FakeNodes:
                     "code": 409,
                     "message": "saved under firecracker/kvm; this node runs qemu/tcg",
                     "error_code": "mode_mismatch",
+                },
+            )
+        if request.method == "POST" and path == "/sandboxes" and node in self.full:
+            return answer(
+                503,
+                {
+                    "code": 503,
+                    "message": "create refused: this node's host stalled on memory 12 %",
+                    "error_code": "capacity_exhausted",
                 },
             )
         if request.method == "POST" and path == "/sandboxes":
@@ -495,6 +506,30 @@ async def test_creates_and_connects_go_past_nodes_of_another_mode(
     await reg.bind("ipsaved-elsewhere", "a")
     stuck = await client.post("/sandboxes/ipsaved-elsewhere/connect")
     assert stuck.status_code == 409 and stuck.json()["error_code"] == "mode_mismatch"
+
+
+async def test_creates_go_past_nodes_whose_host_is_full(
+    gateway: tuple[httpx.AsyncClient, FakeNodes, NodeRegistry],
+) -> None:
+    """A node that refuses a create for what its host can hold now (503
+    capacity_exhausted: memory reserve or stalls, which heartbeats do not carry) is
+    passed for another; with every node full, the last refusal is the answer and no
+    placement is left reserved. Other failures are not retried elsewhere."""
+    client, nodes, reg = gateway
+    nodes.full = {"a"}
+    for _ in range(3):
+        created = await client.post("/sandboxes", json={"templateID": "base"})
+        assert created.status_code == 201, created.text
+        assert created.json()["sandboxID"][1] == "b"
+    nodes.full = {"a", "b"}
+    refused = await client.post("/sandboxes", json={"templateID": "base"})
+    assert refused.status_code == 503
+    assert refused.json()["error_code"] == "capacity_exhausted"
+    assert "stalled on memory" in refused.json()["message"]
+    held = (await reg.store.reservations()).values()
+    assert sorted(r.sandbox_id or "" for r in held) == ["ib0", "ib1", "ib2"]
+    asked = [n for n, what in nodes.requests if what == "POST /sandboxes"]
+    assert asked[-2:] in (["a", "b"], ["b", "a"])  # each node asked once
 
 
 async def test_gateway_health_is_a_node_health_for_the_cluster(

@@ -51,6 +51,13 @@ def mode_mismatch(upstream: httpx.Response, data: bytes) -> bool:
     return upstream.status_code == 409 and field_of(data, "error_code") == "mode_mismatch"
 
 
+def capacity_refused(upstream: httpx.Response, data: bytes) -> bool:
+    """Whether a node refused a start for what its host can hold now (503
+    capacity_exhausted: its lending limit, its memory reserve or its memory stalls), which
+    the scheduler, placing on heartbeats, cannot see coming; another node may take it."""
+    return upstream.status_code == 503 and field_of(data, "error_code") == "capacity_exhausted"
+
+
 def replay(upstream: httpx.Response, data: bytes) -> Response:
     """A node's answer the gateway read whole, for the client. The node's Date is left
     out: uvicorn adds the gateway's."""

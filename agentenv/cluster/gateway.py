@@ -58,6 +58,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agentenv import __version__
 from agentenv.api.listing import DEFAULT_ORDER, DEFAULT_SANDBOX_PAGE_SIZE, Order
 from agentenv.cluster.answers import (
+    capacity_refused,
     field_of,
     fork_children,
     mode_mismatch,
@@ -373,8 +374,10 @@ class Gateway:
             upstream, data = await self._buffered(request, await self._any_node(), body)
             return replay(upstream, data)
         # A node whose mode (VMM, accelerator) is not the one the template was saved
-        # under refuses it (409 mode_mismatch) before starting anything: the create is
-        # placed again without it, until a node takes it or none is left to ask.
+        # under refuses it (409 mode_mismatch) before starting anything, and so does a
+        # node whose host cannot hold one more sandbox now (503 capacity_exhausted): the
+        # create is placed again without it, until a node takes it or none is left to
+        # ask (then the last refusal is the answer).
         refused: tuple[httpx.Response, bytes] | None = None
         tried: list[str] = []
         while True:
@@ -385,7 +388,7 @@ class Gateway:
             except SchedulerRefused:
                 if refused is None:
                     raise
-                return replay(*refused)  # every node that could take it is of another mode
+                return replay(*refused)  # every node that could take it refused it
             node = placement.node
             try:
                 upstream, data = await self._buffered(request, node, body)
@@ -399,7 +402,7 @@ class Gateway:
                 )
                 return replay(upstream, data)
             await self._record(self.scheduler.release(placement.placement_id))
-            if not mode_mismatch(upstream, data):
+            if not (mode_mismatch(upstream, data) or capacity_refused(upstream, data)):
                 return replay(upstream, data)
             refused = (upstream, data)
             tried.append(node.node_id)

@@ -29,7 +29,8 @@ class Demand:
     template_id: str
     vcpus: int | None = None
     memory_mib: int | None = None
-    #: Nodes not to place on: ones that refused this template already (another mode).
+    #: Nodes not to place on: ones that refused this create already (another mode, or
+    #: no room on their host).
     exclude_nodes: frozenset[str] = frozenset()
 
 
