@@ -3,8 +3,9 @@
 :func:`build_components` makes every component the facade (:mod:`.orchestrator`)
 drives, each given what it needs in its constructor (never the facade), and returns
 them as :class:`Components`. It owns only the order of construction and which
-component gets which; it starts nothing (no store opened, no task, no file touched):
-that is :meth:`Orchestrator.startup`'s.
+component gets which; it holds no state and starts nothing (no store opened, no
+background task, no directory made: :meth:`Orchestrator.startup` does that), and it
+must not call components' operations.
 """
 
 from __future__ import annotations
