@@ -2,10 +2,11 @@
 filesystem-only), resume, kill, and its timeout.
 
 Every method here runs under the sandbox's operation lock, which the facade
-(:class:`~.orchestrator.Orchestrator`) takes; each moves the sandbox through the state
-machine (:mod:`.states`) with :meth:`Store.transition`, writes its record before its
-files, and rolls back on failure: a failed pause leaves the sandbox running, a failed
-resume leaves it paused, a failed create leaves nothing.
+(:class:`~.orchestrator.Orchestrator`) takes, or :mod:`.starts` for a create; each
+moves the sandbox through the state machine (:mod:`.states`) with
+:meth:`Store.transition`, writes its record before its files, and rolls back on
+failure: a failed pause leaves the sandbox running, a failed resume leaves it paused, a
+failed create leaves nothing.
 
 Memory: a sandbox's RAM is a file of its own (``memory.raw``, a clone of the template's:
 a reflink where the data directory can, else a sparse copy; mapped shared): pausing it

@@ -1,12 +1,16 @@
 """The orchestrator facade: the one entry point the API, the proxy and template builds
 call to create, pause, resume, snapshot, fork, expire and kill sandboxes.
 
-It wires the components together (each takes what it needs in its constructor, never
-this facade), takes the per-sandbox operation lock (:class:`~.operations.SandboxOperations`)
-around every change and calls the component that does the work:
+It holds the components :mod:`.wiring` builds (each takes what it needs in its
+constructor, never this facade) and calls the one that does the work; every change runs
+under the sandbox's operation lock (:class:`~.operations.SandboxOperations`), taken here
+or by :mod:`.starts` and :mod:`.snapshotting`:
 
-- :mod:`.lifecycle`: create, pause, resume, kill, timeouts;
-- :mod:`.capture`: snapshots, forks' images, flattening, RAM-file resharing;
+- :mod:`.lifecycle`: create, pause, resume, kill, timeouts; :mod:`.starts`: a new
+  sandbox's id and operation lock (create, builds, fork children);
+- :mod:`.snapshotting`: snapshot and fork requests; :mod:`.capture`: the captures they
+  make, forks' images, flattening, RAM-file resharing;
+- :mod:`.queries`: the read side (views, node status, metrics);
 - :mod:`.sources`: template and snapshot ids to what to restore;
 - :mod:`.sync`: commits, uploads, adoption and handoff through the repository;
 - :mod:`.recovery`: what a previous run left;
@@ -28,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Literal
@@ -36,56 +39,26 @@ from typing import Literal
 import httpx
 
 from agentenv.config import Config
-from agentenv.limits import MAX_FORK_CHILDREN
 from agentenv.network import EgressPolicy, NetworkError, NetworkManager
-from agentenv.orchestrator import envd_client
-from agentenv.orchestrator.capture import Capture, Resharing
-from agentenv.orchestrator.catalog import Catalog, check_user_name
-from agentenv.orchestrator.diskspace import FreeSpaceFloor
 from agentenv.orchestrator.errors import (
     Conflict,
     GuestUnavailable,
-    InvalidRequest,
     OperationFailed,
-    OutOfSpace,
     SandboxNotFound,
-    SandboxStartFailed,
 )
-from agentenv.orchestrator.layout import new_sandbox_id, new_snapshot_id
-from agentenv.orchestrator.lifecycle import Identity, Lifecycle, Timeouts
-from agentenv.orchestrator.liveness import VmmLiveness
-from agentenv.orchestrator.machines import Machines
-from agentenv.orchestrator.metrics import GuestSample, MetricsHistory
+from agentenv.orchestrator.lifecycle import Identity
+from agentenv.orchestrator.metrics import GuestSample
 from agentenv.orchestrator.modes import Mode
 from agentenv.orchestrator.network_options import NetworkOptions
-from agentenv.orchestrator.operations import SandboxOperations
-from agentenv.orchestrator.recovery import Recovery
-from agentenv.orchestrator.resources import (
-    START_WAIT_S,
-    FilePins,
-    MemoryBudget,
-    NetworkLeases,
-    Slots,
-    StartGate,
-    resolve_subnet,
-)
-from agentenv.orchestrator.secrets import Secrets
-from agentenv.orchestrator.sources import Source, Sources
-from agentenv.orchestrator.states import (
-    PUBLIC_STATE,
-    VISIBLE_STATES,
-    SandboxState,
-    traffic_end,
-)
-from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, SnapshotRecord, Store, utcnow
-from agentenv.orchestrator.supervisor import Supervisor
-from agentenv.orchestrator.sync import RepositorySync
-from agentenv.orchestrator.tags import TemplateTags, family_of
-from agentenv.orchestrator.templates import BASE_TEMPLATE, TemplateManager
-from agentenv.orchestrator.tokens import EnvdTokens
+from agentenv.orchestrator.resources import resolve_subnet
+from agentenv.orchestrator.sources import Source
+from agentenv.orchestrator.states import PUBLIC_STATE, VISIBLE_STATES, SandboxState, traffic_end
+from agentenv.orchestrator.store import SandboxEvent, SandboxRecord, Store, utcnow
+from agentenv.orchestrator.tags import family_of
 from agentenv.orchestrator.views import NodeStatus, SandboxView, SnapshotView
-from agentenv.orchestrator.volumes import Requested, Volumes
-from agentenv.snapshots.layout import MachineSnapshot, SnapshotError
+from agentenv.orchestrator.volumes import Requested
+from agentenv.orchestrator.wiring import build_components
+from agentenv.snapshots.layout import MachineSnapshot
 from agentenv.storage.clone import supports_reflink
 from agentenv.vmm.base import VMMDriver
 
@@ -125,122 +98,34 @@ class Orchestrator:
         #: refused (:mod:`.modes`).
         self.mode = Mode(driver.name, accel)
         self.mode_reason = mode_reason
-        self.store = store or Store(
-            config.db_path, EnvdTokens.configured(config.envd_token_key, config.envd_token_key_path)
+        parts = build_components(
+            config, driver, accel, self.mode, network, store, http, mode_reason=mode_reason
         )
-        self.store.listen(_log_event)
-        self.network = network or NetworkManager(
-            prefix=f"ae{config.instance_tag}", subnet=resolve_subnet(config)
-        )
-        # No keep-alive: guest addresses are reused with network slots, so a pooled
-        # connection could outlive its sandbox and reach the next one.
-        self.http = http or httpx.AsyncClient(
-            trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
-        )
-        self.timeouts = Timeouts(config.default_timeout, config.max_timeout)
-        self._free_space = FreeSpaceFloor(config)
-        self._operations = SandboxOperations()
-        self._supervisor = Supervisor()
-        self._machines = Machines(driver, self.network, self.store, accel)
-        self._metrics = MetricsHistory(
-            self.store, self.http, self._machines.current, config.metrics_interval
-        )
-        self._slots = Slots(self.store, self.network)
-        self._leases = NetworkLeases(
-            self.network, self.store, self._operations, config.network_linger
-        )
-        self._pins = FilePins(self.store)
-        self.catalog = Catalog(config, lambda: self._pins.pinned_keys(self.catalog.cache))
-        # Template tags (assign, remove, list): the catalog's, for every node.
-        self.tags = TemplateTags(self.catalog)
-        self.secrets = Secrets(config, self.catalog)
-        # Network rules' ${e2b.secrets.<name>} placeholders are resolved by the egress
-        # filter, on the host, per request.
-        self.network.resolve_secrets_with(self.secrets.value)
-        self.volumes = Volumes(
-            config.home / "volumes",
-            config.node_name,
-            self.catalog,
-            self.store,
-            self.http,
-            lambda slot: self.network.describe(slot).guest_address,
-        )
-        self.templates = TemplateManager(
-            config,
-            self.store,
-            driver,
-            accel,
-            self.network,
-            self._slots.reserve,
-            self._slots.release,
-            self.http,
-        )
-        self._sources = Sources(
-            config.templates_dir, self.store, self.templates, self.catalog, self._pins, self.mode
-        )
-        self._resharing = Resharing(self._sources, self._supervisor)
-        self._capture = Capture(
-            config.snapshots_dir,
-            self.store,
-            self._machines,
-            self._sources,
-            self._pins,
-            self._resharing,
-            self._supervisor,
-        )
-        self._sync = RepositorySync(
-            config.sandboxes_dir,
-            self.store,
-            self.catalog,
-            self._sources,
-            self._pins,
-            self._slots,
-            self._leases,
-            self._machines,
-            self._operations,
-            self._supervisor,
-            publishes_paused_state=driver.publishes_paused_state,
-            mode=self.mode,
-            commit_wait=config.commit_wait,
-        )
-        self._lifecycle = Lifecycle(
-            config.sandboxes_dir,
-            self.store,
-            driver,
-            self.network,
-            self._machines,
-            self._slots,
-            self._leases,
-            self._pins,
-            self._sources,
-            self._resharing,
-            self._sync,
-            self.http,
-            self.volumes,
-            boot_timeout=config.template_boot_timeout,
-            memory=MemoryBudget(
-                self.store,
-                config.memory_overcommit,
-                reserve_mib=config.memory_reserve_mib,
-                pressure_limit_pct=config.memory_pressure_limit,
-            ),
-            starts=StartGate(config.start_places, START_WAIT_S),
-            mode=self.mode,
-            envd_init_timeout=config.envd_init_timeout,
-        )
-        self._liveness = VmmLiveness(
-            self.store, self._machines, self._operations, self._lifecycle, self._free_space
-        )
-        self._recovery = Recovery(
-            config.sandboxes_dir,
-            config.snapshots_dir,
-            self.store,
-            driver,
-            self.network,
-            self._machines,
-            self._lifecycle,
-            self._pins,
-        )
+        self.store = parts.store
+        self.network = parts.network
+        self.http = parts.http
+        self.timeouts = parts.timeouts
+        self.catalog = parts.catalog
+        self.tags = parts.tags
+        self.secrets = parts.secrets
+        self.volumes = parts.volumes
+        self.templates = parts.templates
+        self._free_space = parts.free_space
+        self._operations = parts.operations
+        self._supervisor = parts.supervisor
+        self._machines = parts.machines
+        self._slots = parts.slots
+        self._leases = parts.leases
+        self._pins = parts.pins
+        self._sources = parts.sources
+        self._resharing = parts.resharing
+        self._sync = parts.sync
+        self._lifecycle = parts.lifecycle
+        self._liveness = parts.liveness
+        self._recovery = parts.recovery
+        self._starts = parts.starts
+        self._snapshotting = parts.snapshotting
+        self._queries = parts.queries
         self._started = False
 
     def on_traffic_end(self, callback: Callable[[str, str], None]) -> None:
@@ -315,7 +200,9 @@ class Orchestrator:
                 self.catalog.collect_garbage_if_due,
             )
         if self.config.metrics_interval > 0:
-            self._supervisor.every("metrics", self.config.metrics_interval, self._sample_metrics)
+            self._supervisor.every(
+                "metrics", self.config.metrics_interval, self._queries.sample_metrics
+            )
         self._supervisor.every("free-space", FREE_SPACE_CHECK_INTERVAL_S, self._free_space.watch)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
@@ -352,85 +239,28 @@ class Orchestrator:
             return None
 
     # -- queries -------------------------------------------------------------------------
-    def _view(self, rec: SandboxRecord, *, with_children: bool = False) -> SandboxView:
-        children: tuple[str, ...] = ()
-        if with_children:
-            children = tuple(
-                r.sandbox_id
-                for r in self.store.list_sandboxes()
-                if r.parent_id == rec.sandbox_id and r.state in VISIBLE_STATES
-            )
-        return self._lifecycle.view(rec, children)
-
     def get(self, sandbox_id: str) -> SandboxView:
-        rec = self.store.get_sandbox(sandbox_id)
-        if rec is None or rec.state not in VISIBLE_STATES:
-            raise SandboxNotFound(sandbox_id)
-        return self._view(rec, with_children=True)
+        return self._queries.get(sandbox_id)
 
     def list_sandboxes(self) -> list[SandboxView]:
-        return [self._view(r) for r in self.store.list_sandboxes() if r.state in VISIBLE_STATES]
+        return self._queries.list_sandboxes()
 
     def pause_committed(self, rec: SandboxRecord) -> bool:
         """Whether a paused sandbox's upload to the repository is complete."""
         return self._sync.pause_committed(rec)
 
     def node_status(self) -> NodeStatus:
-        counts: Counter[SandboxState] = Counter()
-        vcpus = memory = 0
-        for rec in self.store.list_sandboxes():
-            counts[rec.state] += 1
-            if rec.state not in (SandboxState.PAUSED, SandboxState.KILLING):
-                vcpus += rec.vcpus
-                memory += rec.memory_mib
-        cache = self.catalog.cache
-        templates = {t.template_id: "ready" for t in self.store.list_templates()}
-        if BASE_TEMPLATE not in templates:
-            templates[BASE_TEMPLATE] = (
-                "building"
-                if self.templates.building()
-                else ("failed" if self.templates.last_error else "pending")
-            )
-        disk = self._free_space.reading()
-        problems = [self.templates.last_error, disk.problem(), self._sync.stopped_commits()]
-        return NodeStatus(
-            node=self.catalog.node,
-            vmm=self.driver.name,
-            accel=self.accel,
-            mode_reason=self.mode_reason,
-            memory_mode="shared" if self.own_memory_files else "private",
-            sandboxes_by_state={state.value: n for state, n in sorted(counts.items())},
-            allocated_vcpus=vcpus,
-            allocated_memory_mib=memory,
-            cache_used_bytes=cache.used_bytes(),
-            cache_limit_bytes=cache.limit_bytes,
-            cache_entries=len(cache.keys()),
-            repository=self.catalog.url,
-            sandboxes=sum(n for state, n in counts.items() if state in VISIBLE_STATES),
-            templates=templates,
-            disk=disk,
-            problem="; ".join(p for p in problems if p) or None,
-            vmms=self._machines.count(),
-        )
+        return self._queries.node_status()
 
     async def get_settled(self, sandbox_id: str) -> SandboxView:
         """:meth:`get`, once a VMM exit of the sandbox already noticed is settled: a
         sandbox whose VMM just died shows as paused, never as running with no VM."""
-        await self._liveness.settled(sandbox_id)
-        return self.get(sandbox_id)
+        return await self._queries.get_settled(sandbox_id)
 
     async def guest_metrics(self, sandbox_id: str) -> dict[str, object] | None:
         """Current resource use inside the guest, as envd reports it; None for a
         sandbox that is not running (paused, or its VMM just exited): it has none."""
-        view = await self.get_settled(sandbox_id)
-        if view.state != "running":
-            return None
-        try:
-            return await envd_client.metrics(self.http, view.guest_address, view.record.envd_token)
-        except envd_client.EnvdUnreachable as exc:
-            if (await self.get_settled(sandbox_id)).state != "running":
-                return None  # its VMM exited while envd was being asked
-            raise GuestUnavailable(f"sandbox {sandbox_id}: {exc}") from exc
+        return await self._queries.guest_metrics(sandbox_id)
 
     async def metrics(
         self, sandbox_id: str, start: datetime | None, until: datetime | None
@@ -438,36 +268,12 @@ class Orchestrator:
         """The sandbox's samples taken in [start, until) (None: no bound). A running
         sandbox asked about a window that reaches now is sampled at once if it has no
         sample yet, or always when periodic sampling is off (``metrics_interval`` 0)."""
-        view = await self.get_settled(sandbox_id)
-        samples = self._metrics.between(sandbox_id, start, until)
-        now = utcnow()
-        reaches_now = (start is None or start <= now) and (until is None or until > now)
-        wanted = not samples or self.config.metrics_interval == 0
-        if not wanted or not reaches_now or view.state != "running":
-            return samples
-        figures = await self.guest_metrics(sandbox_id)
-        if figures is None:
-            return samples
-        sample = GuestSample(now, figures)
-        self._metrics.record(sandbox_id, sample)
-        return [*samples, sample]
+        return await self._queries.metrics(sandbox_id, start, until)
 
     def latest_metrics(self, sandbox_ids: set[str]) -> dict[str, tuple[GuestSample, int]]:
         """The latest sample, and vCPU count, of each visible sandbox named that has
         one."""
-        latest: dict[str, tuple[GuestSample, int]] = {}
-        for sandbox_id in sandbox_ids:
-            rec = self.store.get_sandbox(sandbox_id)
-            sample = self._metrics.latest(sandbox_id)
-            if rec is not None and rec.state in VISIBLE_STATES and sample is not None:
-                latest[sandbox_id] = (sample, rec.vcpus)
-        return latest
-
-    async def _sample_metrics(self) -> None:
-        running = [
-            self._view(r) for r in self.store.list_sandboxes() if r.state == SandboxState.RUNNING
-        ]
-        await self._metrics.sample(running)
+        return self._queries.latest_metrics(sandbox_ids)
 
     async def ready_for_traffic(self, sandbox_id: str) -> SandboxView:
         """The sandbox once it can take proxied traffic: a paused sandbox created with
@@ -494,7 +300,7 @@ class Orchestrator:
             raise SandboxNotFound(sandbox_id)
         if current.state != SandboxState.RUNNING:
             raise Conflict(f"sandbox {sandbox_id} is {PUBLIC_STATE[current.state]}")
-        return self._view(current)
+        return self._queries.view(current)
 
     # -- create --------------------------------------------------------------------------
     async def create(
@@ -528,7 +334,7 @@ class Orchestrator:
             auto_resume=auto_resume,
             volume_mounts=tuple(volume_mounts),
         )
-        return await self._start(
+        return await self._starts.start(
             source, identity, timeout, private_memory=False, envd_in_background=envd_in_background
         )
 
@@ -548,42 +354,7 @@ class Orchestrator:
             auto_resume=False,
         )
         source = Source(template_id, template_id, snapshot, None)
-        return await self._start(source, identity, timeout, private_memory=False)
-
-    async def _start(
-        self,
-        source: Source,
-        identity: Identity,
-        timeout: int,
-        *,
-        private_memory: bool,
-        envd_in_background: bool = False,
-    ) -> SandboxView:
-        sandbox_id = new_sandbox_id()
-        try:
-            return await self._operations.run(
-                sandbox_id,
-                "create",
-                lambda: self._lifecycle.create(
-                    sandbox_id,
-                    source,
-                    identity,
-                    timeout,
-                    private_memory=private_memory,
-                    envd_in_background=envd_in_background,
-                ),
-                join=False,
-            )
-        except SandboxStartFailed as exc:
-            # On a disk too full for the guest's RAM file the failure shows as whatever
-            # broke first (a VMM killed by SIGBUS mid-restore, envd's /init unanswered):
-            # the caller is told it was the disk (507), not an internal error.
-            disk = self._free_space.reading()
-            if disk.too_full_for(source.snapshot.memory_mib << 20):
-                raise OutOfSpace(
-                    "starting a sandbox", f"the data filesystem has {disk.describe()} ({exc})"
-                ) from exc
-            raise
+        return await self._starts.start(source, identity, timeout, private_memory=False)
 
     # -- pause and resume ------------------------------------------------------------------
     async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxView:
@@ -634,16 +405,6 @@ class Orchestrator:
         return await self.resume(sandbox_id, timeout)
 
     # -- snapshots and forks ---------------------------------------------------------------
-    def _volumes_unmounted(
-        self, rec: SandboxRecord
-    ) -> contextlib.AbstractAsyncContextManager[None]:
-        """A running sandbox's volumes left out of what is captured (see
-        :meth:`Volumes.unmounted`)."""
-        if not rec.volumes or rec.state != SandboxState.RUNNING:
-            return contextlib.nullcontext()
-        address = self.network.describe(rec.slot).guest_address
-        return self.volumes.unmounted(self.http, address, rec.envd_token, rec.volumes)
-
     async def snapshot(
         self,
         sandbox_id: str,
@@ -660,43 +421,15 @@ class Orchestrator:
         node at once and committed to the repository in the background (``wait_commit``:
         before returning). ``replace_name`` moves an existing name to the new snapshot
         (a template rebuilt under its name)."""
-        self._free_space.check("snapshot")
-        if name is not None:
-            check_user_name(name)
-        if name is not None and not replace_name:
-            existing = self.store.get_snapshot(name)
-            if existing is not None and existing.state == "ready":
-                raise Conflict(f"a snapshot named {name!r} already exists")
-            # lookup: also a template's "name:tag" (which the name would hide).
-            if await self.catalog.lookup(name) is not None:
-                raise Conflict(f"a snapshot or template named {name!r} already exists")
-
-        async def work() -> SnapshotView:
-            await self._lifecycle.inits.settled(sandbox_id)
-            rec = self._lifecycle.existing(sandbox_id)
-            if name is not None and replace_name:
-                existing = self.store.get_snapshot(name)
-                if existing is not None and existing.name == name:
-                    self.store.update_snapshot(existing.snapshot_id, name=None)
-            async with self._volumes_unmounted(rec):
-                snap_rec = await self._capture.capture(
-                    rec, kind, name, metadata or {}, snapshot_id or new_snapshot_id()
-                )
-            return SnapshotView(snap_rec)
-
-        view = await self._operations.run(
-            sandbox_id, "snapshot", lambda: self._liveness.guard(sandbox_id, work), join=False
+        return await self._snapshotting.snapshot(
+            sandbox_id,
+            name,
+            metadata=metadata,
+            kind=kind,
+            replace_name=replace_name,
+            wait_commit=wait_commit,
+            snapshot_id=snapshot_id,
         )
-        if wait_commit:
-            try:
-                await self._sync.commit(view.snapshot_id)
-            except BaseException:
-                self.store.update_snapshot(view.snapshot_id, state="deleted", name=None)
-                self._pins.collect_snapshots()
-                raise
-        else:
-            self._sync.start_commit(view.snapshot_id)
-        return view
 
     async def get_snapshot(self, key: str, type_: str = "snapshot") -> SnapshotView:
         return await self._sync.get_snapshot(key, type_)
@@ -741,57 +474,7 @@ class Orchestrator:
         a raw copy), inherit its metadata, environment and security, and get their own id,
         token, network slot, clock and entropy. The parent keeps running. One result per
         child: its view or why it failed."""
-        if not 1 <= count <= MAX_FORK_CHILDREN:
-            raise InvalidRequest(f"count must be between 1 and {MAX_FORK_CHILDREN}")
-        self._free_space.check("fork")
-        chosen = self.timeouts.pick(timeout)
-
-        async def capture() -> tuple[SandboxRecord, SnapshotRecord]:
-            await self._lifecycle.inits.settled(sandbox_id)
-            rec = self._lifecycle.existing(sandbox_id)
-            async with self._volumes_unmounted(rec):
-                image = await self._capture.capture(rec, "fork", None, {}, new_snapshot_id())
-            return rec, image
-
-        parent, image = await self._operations.run(
-            sandbox_id, "fork", lambda: self._liveness.guard(sandbox_id, capture), join=False
-        )
-        image_id = image.snapshot_id
-        try:
-            snapshot = MachineSnapshot.load(image.snapshot_dir)
-        except SnapshotError as exc:
-            raise OperationFailed(f"fork of {sandbox_id}: {exc}") from exc
-        source = Source(parent.template_id, parent.template_build_id, snapshot, image_id)
-        identity = Identity(
-            metadata=parent.metadata,
-            env_vars=parent.env_vars,
-            secure=parent.envd_token is not None,
-            network=parent.network,
-            auto_pause=parent.auto_pause,
-            auto_resume=parent.auto_resume,
-            parent_id=sandbox_id,
-        )
-        try:
-            results = await asyncio.gather(
-                *(
-                    self._start(
-                        source, identity, chosen, private_memory=True, envd_in_background=True
-                    )
-                    for _ in range(count)
-                ),
-                return_exceptions=True,
-            )
-        finally:
-            # The image now lives only as long as the children (and the parent's disk)
-            # that use it.
-            self.store.update_snapshot(image_id, state="deleted")
-            self._pins.collect_snapshots()
-        out: list[SandboxView | Exception] = []
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, Exception):
-                raise result
-            out.append(result)
-        return out
+        return await self._snapshotting.fork(sandbox_id, count, timeout)
 
     # -- changes -------------------------------------------------------------------------
     async def set_timeout(
@@ -823,7 +506,7 @@ class Orchestrator:
                 ) from exc
             rec.network = rec.network.with_egress(egress)
             self.store.set_network(sandbox_id, rec.network)
-            return self._view(rec)
+            return self._queries.view(rec)
 
         return await self._operations.run(sandbox_id, "network", work, join=False)
 
@@ -879,7 +562,3 @@ class Orchestrator:
     def pending_upload(self, sandbox_id: str) -> asyncio.Task[None] | None:
         """The paused sandbox's upload to the repository, while it runs."""
         return self._supervisor.job("upload", sandbox_id)
-
-
-def _log_event(event: SandboxEvent) -> None:
-    log.debug("sandbox %s: %s -> %s", event.sandbox_id, event.old or "new", event.new or "gone")
