@@ -126,7 +126,6 @@ class Orchestrator:
         self._starts = parts.starts
         self._snapshotting = parts.snapshotting
         self._queries = parts.queries
-        self._started = False
 
     def on_traffic_end(self, callback: Callable[[str, str], None]) -> None:
         """Call ``callback(sandbox_id, reason)`` the moment a sandbox stops taking
@@ -206,7 +205,6 @@ class Orchestrator:
         self._supervisor.every("free-space", FREE_SPACE_CHECK_INTERVAL_S, self._free_space.watch)
         if build_base:
             self._supervisor.spawn(self._build_base_quietly(), name="base template")
-        self._started = True
 
     async def shutdown(self, *, kill_sandboxes: bool = False) -> None:
         """Stop background work. Sandboxes keep running (their VMMs live in their own
@@ -229,7 +227,6 @@ class Orchestrator:
         self._resharing.shutdown()
         await self.http.aclose()
         self.store.close()
-        self._started = False
 
     async def _build_base_quietly(self) -> object:
         try:
