@@ -43,9 +43,10 @@ FORK_COUNT = 4
 # Steps run once more when they fail, the first failure reported as a retry. The fork
 # starts four nested guests at once, and under the outer QEMU's emulated SVM a nested
 # guest now and then stops making progress with nothing of agentenv's involved: QEMU/KVM
-# lost one such guest to a reset in seven full runs (its fork is out of the default run),
-# and Firecracker one child in about ten (its /init unanswered for 120 s while its VMM
-# ran, wedged: it was gone after the next server start). A second failure fails the run.
+# lost one such guest to a reset in seven full runs, Firecracker one child in about ten
+# (its /init unanswered for 120 s while its VMM ran, wedged: it was gone after the next
+# server start). The test host's own kernel can lose a wakeup too (README, KVM hosts). A
+# second failure fails the run.
 RETRIED_STEPS = frozenset({"fork"})
 
 
